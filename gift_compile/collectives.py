@@ -1,0 +1,252 @@
+"""Gradient reduce-scatter and all-reduce in FP8, bf16 or fp32 over a process group.
+
+FP8 never meets arithmetic on the wire (DESIGN.md decision 1)::
+
+    x (rows, ...)                      each rank
+      pad rows to world * c, view (world, c', cols)       c = ceil(rows / world)
+      quantize with this rank's own scale(s)              payload uint8 + fp32 scales
+      pack [payload_j | scales_j as bytes] per destination j
+      all_to_all_single                                    one uint8 message per peer
+      decode each sender's chunk with *its* scales, sum in fp32   -> my shard (c rows)
+
+An all-reduce is that reduce-scatter, a re-quantization of the reduced shard and an
+``all_gather`` of its bytes; every rank then decodes the same bytes with the same scales,
+so all ranks end with bit-identical results.
+
+Built on ``torch.distributed._functional_collectives`` so the same code runs eagerly, is
+traced by ``make_fx`` into a graph the GIFT pass splices in, and compiles with Inductor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from gift_compile.config import GiftConfig
+from gift_compile.numerics import block_amax, dequantize, quantize
+
+ReduceOp = str  # "sum" or "avg"
+_REDUCE_OPS = ("sum", "avg")
+_SCALE_BYTES = 4  # fp32
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """How one gradient travels: the dtype on the wire and, for FP8, its scaling."""
+
+    dtype: str = "fp8"  # "fp8", "bf16" or "fp32"
+    fp8_format: str = "e4m3"
+    scaling: str = "tensor"  # "tensor" or "row_block"
+    block_rows: int = 128
+    scale_mode: str = "per_rank"  # or "global_max"
+
+    @classmethod
+    def gift(cls, config: GiftConfig) -> WireFormat:
+        """The wire format of layers sent in whitened coordinates (always FP8)."""
+        return cls("fp8", config.fp8_format, config.scaling, config.scale_block_rows, config.scale_mode)
+
+    @classmethod
+    def euclidean(cls, config: GiftConfig) -> WireFormat:
+        """The wire format of Linear weight gradients that are not whitened."""
+        return cls(config.euclidean_dtype, config.fp8_format, config.scaling, config.scale_block_rows, config.scale_mode)
+
+
+class Layout(NamedTuple):
+    """How a tensor of ``rows`` rows is cut into ``world`` chunks and scale blocks."""
+
+    rows: int
+    cols: int
+    world: int
+    shard_rows: int  # c = ceil(rows / world): rows each rank owns after the reduce-scatter
+    block_rows: int  # rows per scale block (c for tensor scaling)
+    padded_shard_rows: int  # c rounded up to a multiple of block_rows
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.padded_shard_rows // self.block_rows
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.padded_shard_rows * self.cols
+
+
+def layout(shape: torch.Size | tuple[int, ...], world: int, wire: WireFormat) -> Layout:
+    if len(shape) == 0:
+        raise ValueError("cannot reduce-scatter a 0-d tensor; reshape it to 1-D first")
+    rows = shape[0]
+    cols = math.prod(shape[1:])
+    shard_rows = -(-rows // world)
+    block_rows = min(wire.block_rows, shard_rows) if wire.scaling == "row_block" else shard_rows
+    block_rows = max(block_rows, 1)
+    padded = -(-shard_rows // block_rows) * block_rows
+    return Layout(rows, cols, world, shard_rows, block_rows, padded)
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """``None`` means the default (world) group, as in ``torch.distributed``."""
+    return dist.group.WORLD if group is None else group
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _check(x: torch.Tensor, op: ReduceOp) -> None:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is not supported; allowed values: {list(_REDUCE_OPS)}")
+    if x.dim() == 0:
+        raise ValueError("cannot reduce a 0-d tensor through the FP8 path; reshape it to 1-D")
+
+
+def _chunked(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """``x`` as ``(world, padded_shard_rows, cols)`` fp32 with zero padding rows."""
+    flat = x.reshape(lay.rows, lay.cols).float()
+    pad_rows = lay.world * lay.shard_rows - lay.rows
+    if pad_rows:
+        flat = torch.cat([flat, flat.new_zeros(pad_rows, lay.cols)])
+    chunks = flat.reshape(lay.world, lay.shard_rows, lay.cols)
+    pad_inner = lay.padded_shard_rows - lay.shard_rows
+    if pad_inner:
+        chunks = torch.cat([chunks, chunks.new_zeros(lay.world, pad_inner, lay.cols)], dim=1)
+    return chunks
+
+
+def _encode(chunks: torch.Tensor, lay: Layout, wire: WireFormat, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``(n, padded_shard_rows, cols)`` chunks: payload ``(n, chunk_numel)``, scales ``(n, blocks)``."""
+    n = chunks.shape[0]
+    blocks = 1 if wire.scaling == "tensor" else n * lay.blocks_per_chunk
+    amax = block_amax(chunks, blocks)
+    if wire.scale_mode == "global_max":
+        amax = funcol.all_reduce(amax, "max", group)
+    payload, scales = quantize(chunks, wire.fp8_format, blocks, amax=amax)
+    scales = scales.reshape(-1, 1).expand(n, 1) if wire.scaling == "tensor" else scales.reshape(n, -1)
+    return payload.reshape(n, -1), scales
+
+
+def _decode(payload: torch.Tensor, scales: torch.Tensor, lay: Layout, wire: WireFormat) -> torch.Tensor:
+    """Inverse of ``_encode``: ``(n, padded_shard_rows, cols)`` fp32, each chunk with its own scales."""
+    n = payload.shape[0]
+    return dequantize(payload, scales.reshape(-1), wire.fp8_format).reshape(n, lay.padded_shard_rows, lay.cols)
+
+
+def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One uint8 message per chunk: payload bytes followed by the chunk's fp32 scales."""
+    scale_bytes = scales.contiguous().view(torch.uint8).reshape(scales.shape[0], -1)
+    return torch.cat([payload, scale_bytes], dim=1)
+
+
+def _unpack(messages: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    payload = messages[:, : lay.chunk_numel]
+    scales = messages[:, lay.chunk_numel :].contiguous().view(torch.float32)
+    return payload, scales
+
+
+class Fp8ReduceScatter(NamedTuple):
+    shard: torch.Tensor
+    """This rank's reduced rows, fp32, ``(shard_rows, *x.shape[1:])``."""
+    sent: torch.Tensor
+    """What this rank's payload decodes to, fp32, shaped like ``x``: ``x - sent`` is the
+    quantization error that error feedback carries to the next step."""
+
+
+def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8ReduceScatter:
+    """Reduce-scatter ``x`` along dim 0 with FP8 payloads and per-sender scales."""
+    group = resolve_group(group)
+    _check(x, op)
+    world = _world(group)
+    lay = layout(x.shape, world, wire)
+    payload, scales = _encode(_chunked(x, lay), lay, wire, group)
+    sent = _decode(payload, scales, lay, wire)
+    messages = funcol.all_to_all_single(_pack(payload, scales).reshape(-1), None, None, group)
+    received_payload, received_scales = _unpack(messages.reshape(world, -1), lay)
+    reduced = _decode(received_payload, received_scales, lay, wire).sum(dim=0)
+    if op == "avg":
+        reduced = reduced / world
+    shard = reduced[: lay.shard_rows].reshape(lay.shard_rows, *x.shape[1:])
+    return Fp8ReduceScatter(shard, _unchunk(sent, lay, x.shape))
+
+
+def _unchunk(chunks: torch.Tensor, lay: Layout, shape: torch.Size) -> torch.Tensor:
+    rows = chunks[:, : lay.shard_rows].reshape(lay.world * lay.shard_rows, lay.cols)
+    return rows[: lay.rows].reshape(shape)
+
+
+def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> torch.Tensor:
+    """Gather equal shards of ``ceil(rows / world)`` rows in FP8; returns the first ``rows`` rows, fp32."""
+    group = resolve_group(group)
+    world = _world(group)
+    lay = layout((rows, *shard.shape[1:]), world, wire)
+    chunk = shard.reshape(1, lay.shard_rows, lay.cols).float()
+    pad_inner = lay.padded_shard_rows - lay.shard_rows
+    if pad_inner:
+        chunk = torch.cat([chunk, chunk.new_zeros(1, pad_inner, lay.cols)], dim=1)
+    payload, scales = _encode(chunk, lay, wire, group)
+    gathered = funcol.all_gather_tensor(_pack(payload, scales), 0, group)
+    decoded = _decode(*_unpack(gathered.reshape(world, -1), lay), lay, wire)
+    return _unchunk(decoded, lay, (rows, *shard.shape[1:]))
+
+
+def fp8_all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8ReduceScatter:
+    """All-reduce = FP8 reduce-scatter, re-quantize the reduced shard, FP8 all-gather.
+
+    Returns the full reduced tensor (fp32, ``x``'s shape) in ``shard`` and what this rank sent.
+    """
+    scattered = fp8_reduce_scatter(x, op, group, wire)
+    full = fp8_all_gather(scattered.shard, x.shape[0], group, wire)
+    return Fp8ReduceScatter(full.reshape(x.shape), scattered.sent)
+
+
+def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.Tensor:
+    """Reduce-scatter along dim 0; returns ``ceil(rows / world)`` rows (zero rows pad the last rank)."""
+    group = resolve_group(group)
+    _check(x, op)
+    if wire.dtype == "fp8":
+        return fp8_reduce_scatter(x, op, group, wire).shard.to(x.dtype)
+    world = _world(group)
+    lay = layout(x.shape, world, WireFormat("fp32"))
+    padded = _chunked(x, lay).reshape(world * lay.shard_rows, *x.shape[1:])
+    shard = funcol.reduce_scatter_tensor(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group).float()
+    if op == "avg":
+        shard = shard / world
+    return shard.to(x.dtype)
+
+
+def all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.Tensor:
+    """All-reduce ``x`` through ``wire``; same shape and dtype out."""
+    group = resolve_group(group)
+    _check(x, op)
+    if wire.dtype == "fp8":
+        return fp8_all_reduce(x, op, group, wire).shard.to(x.dtype)
+    reduced = funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group).float()
+    if op == "avg":
+        reduced = reduced / _world(group)
+    return reduced.to(x.dtype)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def bytes_sent(shape: tuple[int, ...], world: int, wire: WireFormat, collective: str) -> int:
+    """Bytes one rank puts on the wire for one ``collective`` ("reduce_scatter"/"all_reduce").
+
+    FP8 counts the payload and scales sent to the ``world - 1`` peers (the self chunk never
+    leaves the rank). Dense dtypes count a bandwidth-optimal ring: ``(world - 1) / world`` of
+    the tensor per reduce-scatter or all-gather phase.
+    """
+    if collective not in ("reduce_scatter", "all_reduce"):
+        raise ValueError(f"collective must be 'reduce_scatter' or 'all_reduce', got {collective!r}")
+    phases = 2 if collective == "all_reduce" else 1
+    if wire.dtype != "fp8":
+        numel = math.prod(shape)
+        padded = -(-numel // world) * world if len(shape) else numel
+        element = 2 if wire.dtype == "bf16" else 4
+        return phases * (world - 1) * (padded // world) * element
+    lay = layout(shape, world, wire)
+    message = lay.chunk_numel + _SCALE_BYTES * (1 if wire.scaling == "tensor" else lay.blocks_per_chunk)
+    return phases * (world - 1) * message

@@ -1,0 +1,66 @@
+"""Run a function on N local gloo ranks (tests, benchmarks, examples).
+
+Each rank is a fresh ``spawn``-ed process joined over TCP on 127.0.0.1. ``fn(rank, world,
+*args)`` runs with the default process group initialized; whatever it returns (tensors,
+numbers, dicts of them) comes back to the caller, one entry per rank, in rank order. An
+exception on any rank is re-raised in the caller with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            results.put((rank, "ok", fn(rank, world, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report every failure, including KeyboardInterrupt-like exits
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout: float = 900) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, threads)) for r in range(world)]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            rank, status, value = results.get(timeout=timeout)
+            if status == "error":
+                # Peers of a failed rank would block in their next collective: stop now.
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+            else:
+                collected[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=0 if errors else 30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [collected[r] for r in range(world)]
