@@ -186,7 +186,7 @@ def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> t
     if pad_inner:
         chunk = torch.cat([chunk, chunk.new_zeros(1, pad_inner, lay.cols)], dim=1)
     payload, scales = _encode(chunk, lay, wire, group)
-    gathered = funcol.all_gather_tensor(_pack(payload, scales), 0, group)
+    gathered = funcol.all_gather_single(_pack(payload, scales), 0, group)
     decoded = _decode(*_unpack(gathered.reshape(world, -1), lay), lay, wire)
     return _unchunk(decoded, lay, (rows, *shard.shape[1:]))
 
@@ -210,7 +210,7 @@ def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> to
     world = _world(group)
     lay = layout(x.shape, world, WireFormat("fp32"))
     padded = _chunked(x, lay).reshape(world * lay.shard_rows, *x.shape[1:])
-    shard = funcol.reduce_scatter_tensor(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group).float()
+    shard = funcol.reduce_scatter_single(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group).float()
     if op == "avg":
         shard = shard / world
     return shard.to(x.dtype)

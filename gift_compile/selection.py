@@ -1,0 +1,36 @@
+"""Which ``nn.Linear`` layers travel in whitened coordinates.
+
+Patterns are matched with ``fnmatch`` component by component against the trailing
+components of a dotted FQN: ``"w2"`` matches ``layers.0.feed_forward.w2`` but not
+``layers.0.feed_forward.xw2`` (no substring matching), and ``"layers.[0-3].*.w2"`` matches
+the ``w2`` of the first four blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+
+def pattern_matches(pattern: str, fqn: str) -> bool:
+    wanted, parts = pattern.split("."), fqn.split(".")
+    if len(wanted) > len(parts):
+        return False
+    return all(fnmatchcase(part, want) for part, want in zip(parts[-len(wanted) :], wanted))
+
+
+def linear_fqns(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def select_layers(candidates: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """The candidate FQNs matched by any pattern; every pattern must match something."""
+    candidates = list(candidates)
+    unmatched = [p for p in patterns if not any(pattern_matches(p, fqn) for fqn in candidates)]
+    if unmatched:
+        raise ValueError(
+            f"GIFT layer pattern(s) {unmatched} match no Linear layer; Linear layers in this model: {candidates}"
+        )
+    return [fqn for fqn in candidates if any(pattern_matches(p, fqn) for p in patterns)]

@@ -1,0 +1,181 @@
+"""Per-layer GIFT state: second moments, factors, error-feedback residual, step counter.
+
+All of it lives in buffers of an ``nn.Module``, so ``state_dict()`` checkpoints it and
+``load_state_dict()`` restores it exactly. The compiled path reaches it at run time through
+opaque custom ops keyed by the layer's FQN (DESIGN.md decision 5), never as graph constants.
+
+Refresh (every ``refresh_interval`` steps, on every rank of the group at the same step):
+
+1. ``sum x x^T`` and the token count of this step's layer inputs, all-reduced over the group,
+   give the token-weighted mean ``A`` (mixed into the previous one with ``ema_decay``).
+2. Every rank factorizes the same ``A``; rank 0's factors are then broadcast so that every
+   rank whitens with bit-identical ``T`` (sums in whitened coordinates need it: decision 3).
+3. The residual is moved into the new coordinates: ``R <- (R T_old^-1) T_new``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gift_compile.collectives import resolve_group
+from gift_compile.config import GiftConfig
+from gift_compile.geometry import Whitening, factorize, identity_whitening, second_moment, whitening_kind
+
+log = logging.getLogger(__name__)
+
+# Which K-FAC sides a ``GiftConfig.side`` whitens.
+SIDES = {"input": ("input",), "output": ("output",), "both": ("input", "output"), "diag": ("input",), "none": ()}
+
+
+def state_key(fqn: str) -> str:
+    """Module names may not contain dots; FQNs do."""
+    return fqn.replace(".", "/")
+
+
+class GiftLayerState(nn.Module):
+    def __init__(self, fqn: str, d_out: int, d_in: int, config: GiftConfig) -> None:
+        super().__init__()
+        self.fqn, self.d_out, self.d_in, self.config = fqn, d_out, d_in, config
+        self.sides = SIDES[config.side]
+        for side in self.sides:
+            dim = self.dim(side)
+            if config.rank is not None and config.side != "diag" and config.rank > dim:
+                raise ValueError(
+                    f"GiftConfig.rank={config.rank} exceeds the {side} dimension {dim} of layer {fqn!r}; "
+                    f"use rank <= {dim} or rank=None"
+                )
+            self.register_buffer(f"{side}_moment", torch.zeros(dim, dim))
+            for name, tensor in identity_whitening(self.kind, dim, config.rank).tensors.items():
+                self.register_buffer(f"{side}_{name}", tensor)
+        self.register_buffer("residual", torch.zeros(d_out, d_in) if config.error_feedback else None)
+        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64))
+
+    @property
+    def kind(self) -> str:
+        return whitening_kind(self.config.factorization, self.config.rank, self.config.side == "diag")
+
+    def dim(self, side: str) -> int:
+        return self.d_in if side == "input" else self.d_out
+
+    def whitening(self, side: str) -> Whitening:
+        prefix = f"{side}_"
+        names = identity_whitening(self.kind, 1, 1).tensors.keys()
+        return Whitening(self.kind, {name: getattr(self, prefix + name) for name in names})
+
+    def factor_tensors(self) -> list[torch.Tensor]:
+        """Every factor tensor, sides in order, in a fixed order (what the compiled graph loads)."""
+        return [t for side in self.sides for t in self.whitening(side).tensors.values()]
+
+    def is_refresh_step(self) -> bool:
+        return int(self.step) % self.config.refresh_interval == 0
+
+    def begin_step(self, layer_input: torch.Tensor | None, grad_output: torch.Tensor | None, group=None) -> None:
+        """Before this step's gradient is whitened: refresh the factors when a refresh is due."""
+        if self.is_refresh_step():
+            self.refresh(layer_input, grad_output, group)
+
+    @torch.no_grad()
+    def end_step(self, new_residual: torch.Tensor | None) -> None:
+        """After the reduction: keep the new residual and count the step."""
+        if self.residual is not None and new_residual is not None:
+            self.residual.copy_(new_residual)
+        self.step += 1
+
+    @torch.no_grad()
+    def refresh(self, layer_input: torch.Tensor | None, grad_output: torch.Tensor | None, group=None) -> None:
+        """Recompute the factors from this step's statistics, identically on every rank."""
+        group = resolve_group(group)
+        self._check_same_shape(group)
+        old = {side: self.whitening(side) for side in self.sides}
+        sources = {"input": layer_input, "output": grad_output}
+        for side in self.sides:
+            if sources[side] is None:
+                raise ValueError(f"layer {self.fqn!r}: a refresh of the {side}-side factor needs its {side} statistics")
+            moment, tokens = second_moment(sources[side].detach(), self.config.stats_max_tokens)
+            packed = torch.cat([moment.reshape(-1), moment.new_tensor([tokens])])
+            dist.all_reduce(packed, group=group)
+            mean = packed[:-1].reshape(moment.shape) / packed[-1].clamp_min(1)
+            if not bool(torch.isfinite(mean).all()):
+                log.warning("GIFT layer %s: non-finite %s statistics at step %d; keeping the previous factors", self.fqn, side, int(self.step))
+                return
+            moment_buffer = getattr(self, f"{side}_moment")
+            decay = self.config.ema_decay if int(self.refreshes) > 0 else 0.0
+            moment_buffer.mul_(decay).add_(mean, alpha=1.0 - decay)
+            new = factorize(
+                moment_buffer,
+                factorization=self.config.factorization,
+                rank=self.config.rank,
+                damping=self.config.damping,
+                diagonal=self.config.side == "diag",
+                seed=int(self.refreshes),
+            )
+            src = dist.get_global_rank(group, 0)
+            for name, tensor in new.tensors.items():
+                dist.broadcast(tensor, src=src, group=group)
+                getattr(self, f"{side}_{name}").copy_(tensor)
+        if self.residual is not None and self.sides:
+            euclidean = unwhiten(self.residual, old, self.sides)
+            self.residual.copy_(whiten(euclidean, {s: self.whitening(s) for s in self.sides}, self.sides))
+        self.refreshes += 1
+
+    def _check_same_shape(self, group) -> None:
+        world = dist.get_world_size(group)
+        shapes = torch.tensor([[self.d_out, self.d_in]]).repeat(world, 1)
+        mine = torch.tensor([self.d_out, self.d_in])
+        dist.all_gather_into_tensor(shapes, mine, group=group)
+        if not bool((shapes == mine).all()):
+            raise RuntimeError(f"GIFT layer {self.fqn!r} has different gradient shapes across ranks: {shapes.tolist()}")
+
+
+def whiten(g: torch.Tensor, whitenings: dict[str, Whitening], sides: tuple[str, ...]) -> torch.Tensor:
+    """``T_B^T G T_A`` restricted to ``sides`` (input side acts on rows, output side on columns)."""
+    if "input" in whitenings and "input" in sides:
+        g = whitenings["input"].whiten(g)
+    if "output" in sides:
+        g = whitenings["output"].whiten(g.T).T
+    return g
+
+
+def unwhiten(u: torch.Tensor, whitenings: dict[str, Whitening], sides: tuple[str, ...]) -> torch.Tensor:
+    if "output" in sides:
+        u = whitenings["output"].unwhiten(u.T).T
+    if "input" in sides:
+        u = whitenings["input"].unwhiten(u)
+    return u
+
+
+class GiftState(nn.Module):
+    """All layers' state, keyed by FQN; created lazily with the gradient's shape."""
+
+    def __init__(self, config: GiftConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleDict()
+
+    def layer(self, fqn: str, d_out: int | None = None, d_in: int | None = None) -> GiftLayerState:
+        key = state_key(fqn)
+        if key not in self.layers:
+            if d_out is None or d_in is None:
+                raise KeyError(f"no GIFT state for layer {fqn!r}; known layers: {self.fqns()}")
+            self.layers[key] = GiftLayerState(fqn, d_out, d_in, self.config)
+        state = self.layers[key]
+        if d_out is not None and (state.d_out, state.d_in) != (d_out, d_in):
+            raise ValueError(f"GIFT layer {fqn!r} was created for ({state.d_out}, {state.d_in}) gradients, got ({d_out}, {d_in})")
+        return state
+
+    def fqns(self) -> list[str]:
+        return [layer.fqn for layer in self.layers.values()]
+
+    def checksum(self) -> torch.Tensor:
+        """A float64 fingerprint of every factor (tests compare it across ranks)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for layer in self.layers.values():
+            for i, t in enumerate(layer.factor_tensors()):
+                total += (t.double().reshape(-1) * torch.arange(1, t.numel() + 1, dtype=torch.float64).cos()).sum() * math.sqrt(i + 1)
+        return total

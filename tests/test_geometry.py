@@ -1,0 +1,104 @@
+import pytest
+import torch
+
+from gift_compile.geometry import factorize, second_moment, top_eigenpairs
+
+torch.set_default_dtype(torch.float32)
+
+
+def anisotropic_moment(d: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    spectrum = torch.logspace(2, -2, d, dtype=torch.float64)
+    return ((basis * spectrum) @ basis.T).float()
+
+
+CASES = [
+    dict(factorization="cholesky", rank=None),
+    dict(factorization="symmetric", rank=None),
+    dict(factorization="symmetric", rank=6),
+    dict(factorization="cholesky", rank=6),
+    dict(factorization="symmetric", rank=None, diagonal=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_transform_times_inverse_is_identity(case):
+    w = factorize(anisotropic_moment(24), damping=1e-4, **case)
+    product = w.matrix() @ w.matrix(inverse=True)
+    # fp32 factors of a matrix with condition number ~1e4: products are exact to ~1e-4.
+    torch.testing.assert_close(product, torch.eye(24), atol=2e-4, rtol=0)
+    g = torch.randn(5, 24)
+    torch.testing.assert_close(w.unwhiten(w.whiten(g)), g, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("factorization", ["cholesky", "symmetric"])
+def test_whitened_samples_have_identity_covariance(factorization):
+    d, n = 16, 50_000
+    a = anisotropic_moment(d, seed=1).double()
+    samples = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) @ torch.linalg.cholesky(a).T
+    moment, tokens = second_moment(samples)
+    w = factorize(moment / tokens, factorization=factorization, damping=1e-9)
+    white = samples.float() @ w.matrix()
+    # T^T A_hat T = I holds exactly for the sample moment A_hat; fp32 rounding leaves ~1e-3.
+    torch.testing.assert_close(white.T @ white / n, torch.eye(d), atol=5e-3, rtol=0)
+
+
+def test_full_rank_low_rank_equals_full_symmetric():
+    a = anisotropic_moment(20)
+    low = factorize(a, factorization="symmetric", rank=20, damping=1e-3)
+    full = factorize(a, factorization="symmetric", rank=None, damping=1e-3)
+    assert low.kind == "lowrank" and full.kind == "dense"
+    torch.testing.assert_close(low.matrix(), full.matrix(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(low.matrix(inverse=True), full.matrix(inverse=True), atol=1e-4, rtol=1e-4)
+
+
+def test_paper_two_by_two_cholesky_example():
+    a = torch.tensor([[4.0, 3.0], [3.0, 4.0]])
+    chol = torch.linalg.cholesky(a)
+    torch.testing.assert_close(chol, torch.tensor([[2.0, 0.0], [1.5, 1.3229]]), atol=1e-4, rtol=0)
+    w = factorize(a, factorization="cholesky", damping=1e-12)
+    g = torch.tensor([[5.0, 1.0]])  # a row gradient: g^T L^-T = (L^-1 g)^T
+    torch.testing.assert_close(w.whiten(g), torch.tensor([[2.5, -2.0788]]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_rank_deficient_moment_gives_finite_transforms(case):
+    x = torch.randn(100, 12)
+    x[:, 3:] = 0.0  # nine dead inputs
+    moment, tokens = second_moment(x)
+    w = factorize(moment / tokens, **case)
+    assert all(bool(torch.isfinite(t).all()) for t in w.tensors.values())
+    g = torch.randn(4, 12)
+    assert bool(torch.isfinite(w.whiten(g)).all())
+    assert all(bool(torch.isfinite(t).all()) for t in factorize(torch.zeros(12, 12), **case).tensors.values())
+
+
+def test_subspace_iteration_finds_the_top_eigenpairs():
+    d = 2100  # above EIGH_MAX_DIM
+    g = torch.Generator().manual_seed(3)
+    basis, _ = torch.linalg.qr(torch.randn(d, 40, generator=g, dtype=torch.float64))
+    spectrum = torch.logspace(2, 0, 40, dtype=torch.float64)  # decaying, like activation spectra
+    a = (basis * spectrum) @ basis.T + torch.eye(d, dtype=torch.float64)
+    values, vectors = top_eigenpairs(a, 8)
+    torch.testing.assert_close(values, spectrum[:8] + 1, atol=1e-6, rtol=0)
+    residual = a @ vectors - vectors * values
+    assert residual.norm() < 1e-6 * values[0]  # eigen-residual relative to ||A||
+
+
+def test_bad_shapes_and_ranks_raise():
+    with pytest.raises(ValueError, match="rank=9 is invalid for a layer with d_in=8"):
+        factorize(torch.eye(8), rank=9)
+    with pytest.raises(ValueError, match="square"):
+        factorize(torch.ones(2, 3))
+    w = factorize(torch.eye(4))
+    with pytest.raises(ValueError, match="2-D"):
+        w.whiten(torch.ones(2, 3, 4))
+
+
+def test_token_subsampling_keeps_a_token_weighted_count():
+    x = torch.randn(4, 250, 8)
+    moment, tokens = second_moment(x, max_tokens=100)
+    assert tokens == 100  # stride ceil(1000 / 100) = 10
+    rows = x.reshape(-1, 8)[::10]
+    torch.testing.assert_close(moment, rows.T @ rows)

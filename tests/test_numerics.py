@@ -1,0 +1,112 @@
+"""FP8 codec bounds.
+
+Round-to-nearest into a format with m mantissa bits has relative error <= 2^-(m+1) for
+values in the normal range; below it the absolute error is <= half the smallest subnormal
+(2^-10 for e4m3, 2^-17 for e5m2) times the block scale. Scales are amax / fp8_max, so no
+value saturates.
+"""
+
+import math
+
+import pytest
+import torch
+
+from gift_compile.numerics import (
+    boundary_hits,
+    dequantize,
+    fidelity,
+    fp4_e2m1_round_trip,
+    fp8_max,
+    fp8_round_trip,
+    quantize,
+)
+
+MANTISSA_BITS = {"e4m3": 3, "e5m2": 2}
+HALF_MIN_SUBNORMAL = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_round_trip_error_bound(fmt, blocks):
+    torch.manual_seed(0)
+    x = torch.randn(64, 48) * torch.logspace(-3, 2, 48)  # columns spanning 5 decades
+    payload, scales = quantize(x, fmt, blocks)
+    assert payload.dtype == torch.uint8 and payload.shape == x.shape and scales.shape == (blocks,)
+    back = dequantize(payload, scales, fmt)
+    scale_per_element = scales.repeat_interleave(x.numel() // blocks).reshape(x.shape)
+    bound = torch.maximum(x.abs() * 2.0 ** -(MANTISSA_BITS[fmt] + 1), HALF_MIN_SUBNORMAL[fmt] * scale_per_element)
+    assert bool(((back - x).abs() <= bound * (1 + 1e-6)).all())
+    assert fidelity(back, x).rel_l2 <= 2.0 ** -(MANTISSA_BITS[fmt] + 1)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_zero_tensor_round_trips_to_zero(fmt):
+    payload, scales = quantize(torch.zeros(5, 7), fmt)
+    assert bool(torch.isfinite(scales).all())
+    assert torch.equal(dequantize(payload, scales, fmt), torch.zeros(5, 7))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_stay_visible(fmt, bad):
+    # e4m3 alone would saturate inf to 448 and hide it; the codec must not.
+    x = torch.randn(4, 4)
+    x[1, 2] = bad
+    back = fp8_round_trip(x, fmt)
+    assert not bool(torch.isfinite(back).all())
+    assert bool(torch.isnan(back[1, 2]))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_amax_maps_to_format_max_without_overflow(fmt):
+    x = torch.tensor([1.0, -3.0, 0.25, 3.0])
+    payload, scales = quantize(x, fmt)
+    encoded = payload.view(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2).float()
+    assert encoded.abs().max() == fp8_max(fmt)
+    assert torch.equal(dequantize(payload, scales, fmt)[[1, 3]], torch.tensor([-3.0, 3.0]))
+
+
+def test_boundary_hits_count_saturation_and_flush():
+    # amax 1.0 -> scale 1/448; 1e-6 * 448 = 4.5e-4 < 2^-10 (half of e4m3's smallest subnormal) flushes.
+    x = torch.tensor([1.0, -1.0, 0.5, 1e-6, -1e-6, 0.0, 0.01])
+    payload, _ = quantize(x, "e4m3")
+    hits = boundary_hits(x, payload, "e4m3")
+    assert int(hits.saturated) == 2 and int(hits.flushed) == 2
+
+
+def test_row_block_scaling_tracks_rows_of_different_magnitude():
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+    x[:128] *= 1e-4  # tiny rows lose everything to the subnormal floor under one tensor scale
+    alone = fidelity(fp8_round_trip(x[:128], "e4m3"), x[:128]).rel_l2
+    whole_tensor = fidelity(fp8_round_trip(x, "e4m3")[:128], x[:128]).rel_l2
+    row_block = fidelity(fp8_round_trip(x, "e4m3", "row_block", 128)[:128], x[:128]).rel_l2
+    # Each 128-row block gets its own scale: the small rows do as well as if sent alone.
+    assert torch.equal(row_block, alone) and row_block < whole_tensor / 2
+
+
+def test_fidelity_metrics_match_direct_formulas():
+    exact = torch.tensor([3.0, 4.0])
+    approx = torch.tensor([3.0, 5.0])
+    f = fidelity(approx, exact)
+    assert math.isclose(f.rel_l2.item(), 1 / 5, rel_tol=1e-6)
+    assert math.isclose(f.max_err.item(), 1.0) and math.isclose(f.mse.item(), 0.5)
+    assert math.isclose(f.cosine.item(), 29 / (5 * math.sqrt(34)), rel_tol=1e-6)
+    assert math.isclose(f.sqnr_db.item(), 10 * math.log10(25), rel_tol=1e-6)
+
+
+def test_fp4_round_trip_hits_the_e2m1_grid():
+    x = torch.tensor([6.0, 2.9, -1.2, 0.2, 0.3, 5.1, 0.0, -6.0])
+    back = fp4_e2m1_round_trip(x, block_size=8)  # amax 6 -> scale 1
+    assert torch.equal(back, torch.tensor([6.0, 3.0, -1.0, 0.0, 0.5, 6.0, 0.0, -6.0]))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_compiled_quantize_is_bit_identical_to_eager(fmt):
+    torch.manual_seed(0)
+    x = torch.randn(384, 96) * 3
+    x[0, 0] = 0.0
+    compiled = torch.compile(quantize, backend="inductor", fullgraph=True)
+    eager_payload, eager_scales = quantize(x, fmt, 4)
+    payload, scales = compiled(x, fmt, 4)
+    assert torch.equal(payload, eager_payload) and torch.equal(scales, eager_scales)
