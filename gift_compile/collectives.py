@@ -92,6 +92,12 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return dist.group.WORLD if group is None else group
 
 
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """Eager functional collectives return lazy ``AsyncCollectiveTensor``s; results leave
+    this module waited. Under tracing they are plain tensors already followed by ``wait_tensor``."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
 def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
@@ -122,7 +128,7 @@ def _encode(chunks: torch.Tensor, lay: Layout, wire: WireFormat, group) -> tuple
     blocks = 1 if wire.scaling == "tensor" else n * lay.blocks_per_chunk
     amax = block_amax(chunks, blocks)
     if wire.scale_mode == "global_max":
-        amax = funcol.all_reduce(amax, "max", group)
+        amax = _waited(funcol.all_reduce(amax, "max", group))
     payload, scales = quantize(chunks, wire.fp8_format, blocks, amax=amax)
     scales = scales.reshape(-1, 1).expand(n, 1) if wire.scaling == "tensor" else scales.reshape(n, -1)
     return payload.reshape(n, -1), scales
@@ -162,7 +168,7 @@ def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -
     lay = layout(x.shape, world, wire)
     payload, scales = _encode(_chunked(x, lay), lay, wire, group)
     sent = _decode(payload, scales, lay, wire)
-    messages = funcol.all_to_all_single(_pack(payload, scales).reshape(-1), None, None, group)
+    messages = _waited(funcol.all_to_all_single(_pack(payload, scales).reshape(-1), None, None, group))
     received_payload, received_scales = _unpack(messages.reshape(world, -1), lay)
     reduced = _decode(received_payload, received_scales, lay, wire).sum(dim=0)
     if op == "avg":
@@ -186,7 +192,7 @@ def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> t
     if pad_inner:
         chunk = torch.cat([chunk, chunk.new_zeros(1, pad_inner, lay.cols)], dim=1)
     payload, scales = _encode(chunk, lay, wire, group)
-    gathered = funcol.all_gather_single(_pack(payload, scales), 0, group)
+    gathered = _waited(funcol.all_gather_single(_pack(payload, scales), 0, group))
     decoded = _decode(*_unpack(gathered.reshape(world, -1), lay), lay, wire)
     return _unchunk(decoded, lay, (rows, *shard.shape[1:]))
 
@@ -210,7 +216,7 @@ def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> to
     world = _world(group)
     lay = layout(x.shape, world, WireFormat("fp32"))
     padded = _chunked(x, lay).reshape(world * lay.shard_rows, *x.shape[1:])
-    shard = funcol.reduce_scatter_single(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group).float()
+    shard = _waited(funcol.reduce_scatter_single(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group)).float()
     if op == "avg":
         shard = shard / world
     return shard.to(x.dtype)
@@ -222,7 +228,7 @@ def all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.
     _check(x, op)
     if wire.dtype == "fp8":
         return fp8_all_reduce(x, op, group, wire).shard.to(x.dtype)
-    reduced = funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group).float()
+    reduced = _waited(funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group)).float()
     if op == "avg":
         reduced = reduced / _world(group)
     return reduced.to(x.dtype)

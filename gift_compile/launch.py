@@ -8,6 +8,7 @@ exception on any rank is re-raised in the caller with that rank's traceback.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -24,13 +25,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _to_bytes(value: Any) -> bytes:
+    # Tensors sent through a multiprocessing queue travel as shared-memory handles that die
+    # with the sending process; serialized bytes outlive it.
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, threads: int) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
-            results.put((rank, "ok", fn(rank, world, *args)))
+            results.put((rank, "ok", _to_bytes(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # report every failure, including KeyboardInterrupt-like exits
@@ -55,7 +64,7 @@ def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, threads: int = 
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
             else:
-                collected[rank] = value
+                collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=0 if errors else 30)

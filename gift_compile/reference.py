@@ -26,34 +26,12 @@ from gift_compile.state import GiftState
 _FP32 = WireFormat("fp32")
 
 
-class GiftReference:
-    def __init__(self, model: nn.Module, config: GiftConfig, group=None) -> None:
-        if config.layers == "auto":
-            raise ValueError("layers='auto' needs the profiling run of the torchtitan integration; pass patterns here")
-        self.model, self.config, self.group = model, config, resolve_group(group)
-        self.linears = linear_fqns(model)
-        self.selected = select_layers(self.linears, config.layers) if config.enabled else []
+class GiftReducer:
+    """Algorithm 1 for individual layers: ``reduce_layer(fqn, grad, layer_input)`` per step."""
+
+    def __init__(self, config: GiftConfig, group=None) -> None:
+        self.config, self.group = config, resolve_group(group)
         self.state = GiftState(config)
-        self._inputs: dict[str, torch.Tensor] = {}
-        self._grad_outputs: dict[str, torch.Tensor] = {}
-        modules = dict(model.named_modules())
-        self._hooks = []
-        for fqn in self.selected:
-            self._hooks.append(modules[fqn].register_forward_hook(self._keep_input(fqn)))
-            if config.side in ("output", "both"):
-                self._hooks.append(modules[fqn].register_full_backward_hook(self._keep_grad_output(fqn)))
-
-    def _keep_input(self, fqn: str):
-        def hook(module, args, output):
-            self._inputs[fqn] = args[0].detach()
-
-        return hook
-
-    def _keep_grad_output(self, fqn: str):
-        def hook(module, grad_input, grad_output):
-            self._grad_outputs[fqn] = grad_output[0].detach()
-
-        return hook
 
     def reduce_layer(
         self,
@@ -81,6 +59,38 @@ class GiftReference:
         )
         layer.end_step(new_residual)
         return reduced
+
+
+class GiftReference(GiftReducer):
+    """Eager GIFT data parallelism for a whole model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, config: GiftConfig, group=None) -> None:
+        if config.layers == "auto":
+            raise ValueError("layers='auto' needs the profiling run of the torchtitan integration; pass patterns here")
+        super().__init__(config, group)
+        self.model = model
+        self.linears = linear_fqns(model)
+        self.selected = select_layers(self.linears, config.layers) if config.enabled else []
+        self._inputs: dict[str, torch.Tensor] = {}
+        self._grad_outputs: dict[str, torch.Tensor] = {}
+        modules = dict(model.named_modules())
+        self._hooks = []
+        for fqn in self.selected:
+            self._hooks.append(modules[fqn].register_forward_hook(self._keep_input(fqn)))
+            if config.side in ("output", "both"):
+                self._hooks.append(modules[fqn].register_full_backward_hook(self._keep_grad_output(fqn)))
+
+    def _keep_input(self, fqn: str):
+        def hook(module, args, output):
+            self._inputs[fqn] = args[0].detach()
+
+        return hook
+
+    def _keep_grad_output(self, fqn: str):
+        def hook(module, grad_input, grad_output):
+            self._grad_outputs[fqn] = grad_output[0].detach()
+
+        return hook
 
     @torch.no_grad()
     def reduce_gradients(self, op: str = "avg") -> None:

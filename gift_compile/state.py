@@ -126,9 +126,10 @@ class GiftLayerState(nn.Module):
 
     def _check_same_shape(self, group) -> None:
         world = dist.get_world_size(group)
-        shapes = torch.tensor([[self.d_out, self.d_in]]).repeat(world, 1)
         mine = torch.tensor([self.d_out, self.d_in])
-        dist.all_gather_into_tensor(shapes, mine, group=group)
+        shapes = mine.repeat(world)
+        dist.all_gather_single(shapes, mine, group=group)
+        shapes = shapes.reshape(world, 2)
         if not bool((shapes == mine).all()):
             raise RuntimeError(f"GIFT layer {self.fqn!r} has different gradient shapes across ranks: {shapes.tolist()}")
 

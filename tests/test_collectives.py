@@ -1,0 +1,134 @@
+"""FP8 / bf16 / fp32 collectives on real gloo ranks against an exact fp64 reference.
+
+Bounds. Every rank's chunk is quantized once before the reduction (relative error per
+element <= 2^-4 for e4m3, see test_numerics), so the reduce-scatter error is at most
+sum_i ||x_i|| / 16 in norm. The all-reduce re-quantizes the reduced shard once more:
+<= (sum_i ||x_i|| + ||sum_i x_i||) / 16. Scale-block padding adds nothing (zeros).
+"""
+
+import pytest
+import torch
+
+from gift_compile.collectives import WireFormat, _pack, _encode, _chunked, all_reduce, bytes_sent, layout, reduce_scatter
+from gift_compile.launch import run_on_ranks
+
+SHAPES = [(10, 7), (9,), (1, 3), (300, 200), (6, 2, 3)]
+WIRES = {
+    "fp8": WireFormat(),
+    "fp8_e5m2": WireFormat(fp8_format="e5m2"),
+    "fp8_rowblock": WireFormat(scaling="row_block", block_rows=2),
+    "fp8_globalmax": WireFormat(scale_mode="global_max"),
+    "bf16": WireFormat("bf16"),
+    "fp32": WireFormat("fp32"),
+}
+HALF_ULP = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+
+
+def rank_input(shape, rank, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(shape, generator=g) * (1 + rank)
+
+
+def collective_cases(rank, world):
+    out = {}
+    for shape in SHAPES:
+        x = rank_input(shape, rank)
+        for name, wire in WIRES.items():
+            for op in ("sum", "avg"):
+                out[(shape, name, op, "all_reduce")] = all_reduce(x, op, None, wire)
+                out[(shape, name, op, "reduce_scatter")] = reduce_scatter(x, op, None, wire)
+    zeros = torch.zeros(8, 4)
+    out["zeros"] = (all_reduce(zeros, "sum", None, WIRES["fp8"]), reduce_scatter(zeros, "avg", None, WIRES["fp8"]))
+    for bad in ("nan", "inf"):
+        x = torch.randn(8, 4)
+        if rank == 0:
+            x[5, 1] = float(bad)
+        out[bad] = (all_reduce(x, "avg", None, WIRES["fp8"]), reduce_scatter(x, "sum", None, WIRES["fp8"]))
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def results(request):
+    world = request.param
+    return world, run_on_ranks(collective_cases, world)
+
+
+def exact(shape, world, op):
+    xs = [rank_input(shape, r).double() for r in range(world)]
+    total = sum(xs)
+    return (total / world if op == "avg" else total), sum(x.norm() for x in xs) / (world if op == "avg" else 1)
+
+
+def expected_shard(full, rank, world):
+    rows = full.shape[0]
+    c = -(-rows // world)
+    padded = torch.cat([full, full.new_zeros(world * c - rows, *full.shape[1:])])
+    return padded[rank * c : (rank + 1) * c]
+
+
+def bound(name, input_norms, output_norm, collective):
+    if name == "fp32":
+        return 1e-6 * input_norms
+    if name == "bf16":
+        # bf16 rounds inputs (2^-9 relative) and the gloo sum of bf16 values rounds again.
+        return 2.0**-8 * (input_norms + output_norm) * 2
+    half_ulp = HALF_ULP["e5m2" if "e5m2" in name else "e4m3"]
+    return half_ulp * (input_norms + (output_norm if collective == "all_reduce" else 0))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", list(WIRES))
+def test_reductions_match_fp64_within_bound(results, shape, name):
+    world, per_rank = results
+    for op in ("sum", "avg"):
+        full, input_norms = exact(shape, world, op)
+        for rank, out in enumerate(per_rank):
+            got_full = out[(shape, name, op, "all_reduce")]
+            assert got_full.shape == torch.Size(shape) and got_full.dtype == torch.float32
+            err = (got_full.double() - full).norm()
+            assert err <= bound(name, input_norms, full.norm(), "all_reduce"), (rank, op, err)
+            shard = out[(shape, name, op, "reduce_scatter")]
+            want = expected_shard(full, rank, world)
+            assert shard.shape == want.shape
+            err = (shard.double() - want).norm()
+            assert err <= bound(name, input_norms, 0, "reduce_scatter"), (rank, op, err)
+
+
+def test_all_reduce_is_bit_identical_on_every_rank(results):
+    world, per_rank = results
+    for key, value in per_rank[0].items():
+        if isinstance(key, tuple) and key[3] == "all_reduce":
+            for other in per_rank[1:]:
+                assert torch.equal(other[key], value), key
+
+
+def test_zero_gradients_reduce_to_exact_zeros(results):
+    _, per_rank = results
+    for full, shard in (out["zeros"] for out in per_rank):
+        assert torch.equal(full, torch.zeros(8, 4)) and not bool(shard.any())
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_non_finite_gradient_is_non_finite_on_every_rank(results, bad):
+    _, per_rank = results
+    for full, shard in (out[bad] for out in per_rank):
+        assert not bool(torch.isfinite(full).all()) and not bool(torch.isfinite(shard).all())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("shape", [(256, 256), (1024, 64), (65536,), (4096, 4096)], ids=str)
+def test_fp8_bytes_are_at_most_26_percent_of_fp32(world, shape):
+    for collective in ("reduce_scatter", "all_reduce"):
+        fp8 = bytes_sent(shape, world, WIRES["fp8"], collective)
+        fp32 = bytes_sent(shape, world, WIRES["fp32"], collective)
+        assert fp8 <= 0.26 * fp32, (collective, fp8 / fp32)
+
+
+def test_byte_count_matches_the_packed_message():
+    wire = WireFormat(scaling="row_block", block_rows=16)
+    x = torch.randn(100, 30)
+    lay = layout(x.shape, 4, wire)
+    payload, scales = _encode(_chunked(x, lay), lay, wire, None)
+    message_bytes = _pack(payload, scales)[0].numel()
+    assert bytes_sent(x.shape, 4, wire, "reduce_scatter") == 3 * message_bytes
+    assert bytes_sent(x.shape, 4, wire, "all_reduce") == 6 * message_bytes
