@@ -107,7 +107,7 @@ def test_error_feedback_bounds_the_accumulated_error():
 
 
 def mismatched_shapes(rank, world):
-    reducer = GiftReducer(CONFIG)
+    reducer = GiftReducer(CONFIG.replace(rank=2))
     grad = torch.randn(8, 4 + rank)
     with pytest.raises(RuntimeError, match="different gradient shapes across ranks"):
         reducer.reduce_layer("fc", grad, torch.randn(10, 4 + rank))
