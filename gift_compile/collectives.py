@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from gift_compile.config import GiftConfig
-from gift_compile.numerics import block_amax, dequantize, quantize
+from gift_compile.numerics import block_amax, boundary_hits, dequantize, quantize
 
 ReduceOp = str  # "sum" or "avg"
 _REDUCE_OPS = ("sum", "avg")
@@ -158,6 +158,16 @@ class Fp8ReduceScatter(NamedTuple):
     sent: torch.Tensor
     """What this rank's payload decodes to, fp32, shaped like ``x``: ``x - sent`` is the
     quantization error that error feedback carries to the next step."""
+    stats: torch.Tensor
+    """fp32 ``[saturated, flushed, ||x - sent||^2, ||x||^2]`` of this rank's encoding."""
+
+
+def encoding_stats(chunks: torch.Tensor, payload: torch.Tensor, sent: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Boundary hits and squared error of one encoding, as one small fp32 tensor (no sync)."""
+    hits = boundary_hits(chunks, payload.reshape(chunks.shape), fmt)
+    return torch.stack(
+        [hits.saturated.float(), hits.flushed.float(), (chunks - sent).square().sum(), chunks.square().sum()]
+    )
 
 
 def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8ReduceScatter:
@@ -166,7 +176,8 @@ def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -
     _check(x, op)
     world = _world(group)
     lay = layout(x.shape, world, wire)
-    payload, scales = _encode(_chunked(x, lay), lay, wire, group)
+    chunks = _chunked(x, lay)
+    payload, scales = _encode(chunks, lay, wire, group)
     sent = _decode(payload, scales, lay, wire)
     messages = _waited(funcol.all_to_all_single(_pack(payload, scales).reshape(-1), None, None, group))
     received_payload, received_scales = _unpack(messages.reshape(world, -1), lay)
@@ -174,7 +185,8 @@ def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -
     if op == "avg":
         reduced = reduced / world
     shard = reduced[: lay.shard_rows].reshape(lay.shard_rows, *x.shape[1:])
-    return Fp8ReduceScatter(shard, _unchunk(sent, lay, x.shape))
+    stats = encoding_stats(chunks, payload, sent, wire.fp8_format)
+    return Fp8ReduceScatter(shard, _unchunk(sent, lay, x.shape), stats)
 
 
 def _unchunk(chunks: torch.Tensor, lay: Layout, shape: torch.Size) -> torch.Tensor:
@@ -204,7 +216,7 @@ def fp8_all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp
     """
     scattered = fp8_reduce_scatter(x, op, group, wire)
     full = fp8_all_gather(scattered.shard, x.shape[0], group, wire)
-    return Fp8ReduceScatter(full.reshape(x.shape), scattered.sent)
+    return Fp8ReduceScatter(full.reshape(x.shape), scattered.sent, scattered.stats)
 
 
 def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.Tensor:

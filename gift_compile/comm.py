@@ -16,6 +16,8 @@ GIFT path for a weight gradient ``G`` of a selected Linear layer (Algorithm 1)::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from gift_compile.collectives import WireFormat, all_reduce, fp8_all_reduce, fp8_reduce_scatter, reduce_scatter
@@ -23,6 +25,15 @@ from gift_compile.geometry import Whitening, identity_whitening
 from gift_compile.state import unwhiten, whiten
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
+
+
+class Reduction(NamedTuple):
+    output: torch.Tensor
+    """The reduced gradient (all-reduce) or this rank's rows of it (reduce-scatter), in the input dtype."""
+    residual: torch.Tensor | None
+    """The new error-feedback residual (GIFT path with error feedback), else None."""
+    stats: torch.Tensor
+    """fp32 ``[saturated, flushed, ||err||^2, ||sent||^2]`` of this rank's FP8 encoding (zeros otherwise)."""
 
 
 def factor_names(kind: str) -> list[str]:
@@ -50,12 +61,8 @@ def gift_reduce(
     group,
     wire: WireFormat,
     collective: str,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Reduce one weight gradient in whitened coordinates; returns ``(reduced, new_residual)``.
-
-    ``reduced`` has ``g``'s dtype and is the full gradient (all-reduce) or this rank's
-    ``ceil(d_out / world)`` rows (reduce-scatter).
-    """
+) -> Reduction:
+    """Reduce one weight gradient in whitened coordinates (see the module docstring)."""
     if g.dim() != 2:
         raise ValueError(f"GIFT whitens 2-D Linear weight gradients, got shape {tuple(g.shape)}")
     if collective == "reduce_scatter" and "output" in sides:
@@ -65,19 +72,23 @@ def gift_reduce(
     if residual is not None:
         sent_coords = sent_coords + residual
     reduce = {"all_reduce": fp8_all_reduce, "reduce_scatter": fp8_reduce_scatter}[collective]
-    reduced, sent = reduce(sent_coords, op, group, wire)
+    reduced, sent, stats = reduce(sent_coords, op, group, wire)
     new_residual = None
     if residual is not None:
         error = sent_coords - sent
         # A non-finite gradient already reaches the trainer through `reduced`; keeping it in
         # the residual would poison every later step, so that step's error is dropped instead.
         new_residual = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
-    return unwhiten(reduced, whitenings, sides).to(g.dtype), new_residual
+    return Reduction(unwhiten(reduced, whitenings, sides).to(g.dtype), new_residual, stats)
 
 
-def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str) -> torch.Tensor:
+def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str) -> Reduction:
     """Reduce a gradient as it is, through ``wire`` (FP8, bf16 or fp32)."""
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    if wire.dtype == "fp8":
+        reduce = fp8_all_reduce if collective == "all_reduce" else fp8_reduce_scatter
+        reduced, _, stats = reduce(g, op, group, wire)
+        return Reduction(reduced.to(g.dtype), None, stats)
     reduce = all_reduce if collective == "all_reduce" else reduce_scatter
-    return reduce(g, op, group, wire)
+    return Reduction(reduce(g, op, group, wire), None, g.new_zeros(4, dtype=torch.float32))

@@ -46,7 +46,7 @@ class GiftReducer:
         """One GIFT step of one layer: refresh if due, reduce, keep the residual, count the step."""
         layer = self.state.layer(fqn, *grad.shape)
         layer.begin_step(layer_input, grad_output, self.group)
-        reduced, new_residual = gift_reduce(
+        reduced, new_residual, _ = gift_reduce(
             grad,
             layer.factor_tensors(),
             layer.residual,
@@ -105,7 +105,7 @@ class GiftReference(GiftReducer):
                 param.grad = self.reduce_layer(fqn, param.grad, self._inputs.pop(fqn, None), self._grad_outputs.pop(fqn, None), op=op)
             else:
                 wire = euclidean if fqn is not None else _FP32
-                param.grad = euclidean_reduce(param.grad, op=op, group=self.group, wire=wire, collective="all_reduce")
+                param.grad = euclidean_reduce(param.grad, op=op, group=self.group, wire=wire, collective="all_reduce").output
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -32,6 +32,21 @@ log = logging.getLogger(__name__)
 SIDES = {"input": ("input",), "output": ("output",), "both": ("input", "output"), "diag": ("input",), "none": ()}
 
 
+def factor_shapes(config: GiftConfig, d_out: int, d_in: int) -> list[tuple[int, ...]]:
+    """Shapes of ``GiftLayerState.factor_tensors()`` without building the state."""
+    kind = whitening_kind(config.factorization, config.rank, config.side == "diag")
+    shapes = []
+    for side in SIDES[config.side]:
+        dim = d_in if side == "input" else d_out
+        rank = config.rank if config.rank is not None else dim
+        shapes += {
+            "dense": [(dim, dim), (dim, dim)],
+            "lowrank": [(dim, rank), (rank,), (rank,), (), ()],
+            "diag": [(dim,), (dim,)],
+        }[kind]
+    return shapes
+
+
 def state_key(fqn: str) -> str:
     """Module names may not contain dots; FQNs do."""
     return fqn.replace(".", "/")

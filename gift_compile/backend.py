@@ -1,0 +1,113 @@
+"""``gift_backend(config)``: a torch.compile backend (AOTAutograd + Inductor) running the GIFT pass.
+
+    compiled = torch.compile(model, backend=gift_backend(GiftConfig(layers=("fc2",))))
+
+For each graph Dynamo hands over, the backend reads which ``nn.Linear`` layers it contains
+(from ``nn_module_stack``), checks the config's layer patterns against them (a pattern that
+matches nothing is an error listing the Linear FQNs), and compiles with Inductor, with the
+GIFT pass installed as ``post_grad_custom_pre_pass`` (before Inductor's own DDP bucketing).
+
+The pass object is a ``CustomGraphPass`` whose ``uuid()`` covers the config, the namespace,
+the graph's Linear FQNs and the source of this package, so Inductor's FX graph cache stays
+on and two structurally identical graphs of different layers never share a cache entry
+(their state keys are baked into the code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from torch import fx
+from torch._inductor.compile_fx import compile_fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from gift_compile.config import GiftConfig
+from gift_compile.passes.gift_collectives import find_gradient_collectives, gift_collectives_pass
+from gift_compile.passes.graph_utils import is_linear_type, module_fqn
+from gift_compile.runtime import GiftRuntime, register_runtime
+from gift_compile.selection import select_layers
+
+log = logging.getLogger(__name__)
+
+_PACKAGE_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")))
+
+
+class GiftGraphPass(CustomGraphPass):
+    """The GIFT pass as Inductor sees it: callable on a graph, with a cache-safe ``uuid``."""
+
+    def __init__(self, config: GiftConfig, namespace: str, linears: tuple[str, ...], selected: frozenset[str]) -> None:
+        self.config, self.namespace, self.linears, self.selected = config, namespace, linears, selected
+        self.saw_backward_without_collectives = False
+
+    def __call__(self, graph: fx.Graph) -> None:
+        is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
+        if is_backward and not find_gradient_collectives(graph):
+            self.saw_backward_without_collectives = True
+            log.warning(
+                "GIFT: this backward graph has no gradient collectives (all_reduce / reduce_scatter_tensor), "
+                "so there is nothing to compress; gradients are whatever the training loop reduces itself. "
+                "Use gift_compile.replicate(model) or DTensor Replicate parameters to put them in the graph."
+            )
+            return
+        gift_collectives_pass(graph, self.config, self.namespace, self.selected)
+
+    def uuid(self) -> bytes:
+        digest = hashlib.sha256(get_hash_for_files(_PACKAGE_FILES))
+        digest.update(repr((self.config, self.namespace, self.linears, sorted(self.selected))).encode())
+        return digest.hexdigest().encode()
+
+
+class GiftBackend:
+    """A torch.compile backend; ``.state`` is the checkpointable GIFT state, ``.runtime`` the counters."""
+
+    def __init__(self, config: GiftConfig, name: str = "default") -> None:
+        if config.layers == "auto":
+            raise ValueError("layers='auto' is resolved by the torchtitan integration's profiling run; give patterns here")
+        self.config, self.name = config, name
+        self.runtime: GiftRuntime = register_runtime(name, config)
+        self.passes: list[GiftGraphPass] = []
+
+    @property
+    def state(self) -> torch.nn.Module:
+        return self.runtime.state
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        if not self.config.enabled:
+            return compile_fx(gm, example_inputs)
+        linears = linear_layers(gm)
+        selected = frozenset(select_layers(linears, self.config.layers)) if linears else frozenset()
+        graph_pass = GiftGraphPass(self.config, self.name, tuple(linears), selected)
+        self.passes.append(graph_pass)
+        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": graph_pass})
+
+
+def linear_layers(gm: fx.GraphModule) -> list[str]:
+    """FQNs of the ``nn.Linear`` modules a Dynamo graph calls, in first-use order."""
+    found: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        for path, module_type in (node.meta.get("nn_module_stack") or {}).values():
+            if is_linear_type(module_type):
+                found.setdefault(module_fqn(path))
+    return list(found)
+
+
+def gift_backend(config: GiftConfig | None = None, name: str = "default") -> GiftBackend:
+    """The backend for ``torch.compile(model, backend=gift_backend(config))``.
+
+    ``name`` keys this backend's state in the process; use one name per model.
+    """
+    return GiftBackend(config or GiftConfig(), name)
+
+
+_DEFAULT: GiftBackend | None = None
+
+
+def default_gift_backend(gm: fx.GraphModule, example_inputs):
+    """``torch.compile(model, backend="gift")``: the default ``GiftConfig`` (entry point)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = gift_backend(GiftConfig(), name="default")
+    return _DEFAULT(gm, example_inputs)

@@ -1,0 +1,199 @@
+"""GIFT pass: send Linear weight gradients through FP8 (whitened for selected layers).
+
+Finds every gradient collective in a traced graph whose input is an ``nn.Linear`` weight
+gradient and replaces it with the GIFT path (selected layers) or the Euclidean low-precision
+path (other Linear layers). Everything else (biases, norms, embeddings, Linear layers when
+``euclidean_dtype == "fp32"``) keeps its original collective, untouched.
+
+Before (one Linear weight gradient, post-grad backward graph)::
+
+    mm    = aten.mm(permute(grad_out), saved_input)            # (d_out, d_in)
+    [permute; permute | view | _to_copy | div by world size]   # identity-shaped glue
+    red   = _c10d_functional.all_reduce(mm, "avg", group)       # or reduce_scatter_tensor(mm, "sum", W, group)
+    grad  = _c10d_functional.wait_tensor(red)
+
+After (selected layer; the middle is ``comm.gift_reduce`` traced into post-grad ATen)::
+
+    tok   = gift.begin_step(ns, fqn, group, d_out, d_in, saved_input, None)   # refresh when due
+    T...  = gift.load_factors(ns, fqn, d_out, d_in, tok)
+    R     = gift.load_residual(ns, fqn, d_out, d_in, tok)
+    V     = mm @ T + R                       -> amax, scale, clamp, cast to fp8, view uint8
+    msg   = all_to_all_single(payload | scales) ; wait_tensor
+    S     = sum_senders(decode(msg))          [all-reduce: re-encode S, all_gather_into_tensor, decode]
+    grad  = S @ T^-1
+    gift.end_step(ns, fqn, tok, V - decode(payload), stats, bytes)
+
+Identity relied on: input-side whitening right-multiplies, so it acts on each row alone and
+commutes with the dim-0 split of a reduce-scatter (DESIGN.md decision 2); and
+``sum_r (G_r T) T^-1 = sum_r G_r`` exactly, so only FP8 rounding separates the result from
+the plain collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.fx.operator_schemas import normalize_function
+
+from gift_compile.collectives import WireFormat, bytes_sent
+from gift_compile.comm import euclidean_reduce, gift_reduce
+from gift_compile.config import GiftConfig
+from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
+from gift_compile.state import SIDES
+from gift_compile.geometry import whitening_kind
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+COLLECTIVES = {c10d.all_reduce.default: "all_reduce", c10d.reduce_scatter_tensor.default: "reduce_scatter"}
+WAIT = c10d.wait_tensor.default
+# Ops allowed between the weight-gradient mm and the collective: they keep the values of a
+# 2-D gradient (up to a transpose, tracked below, or a scalar factor that commutes with T).
+_TRANSPOSES = {aten.permute.default, aten.t.default}
+_SAME_SHAPE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten._to_copy.default,
+               aten.clone.default, torch.ops.prims.convert_element_type.default}
+_SCALAR_SCALE = {aten.div.Tensor, aten.mul.Tensor}
+
+
+@dataclass(frozen=True)
+class GradientCollective:
+    """A gradient collective and, if it reduces a Linear weight gradient, where that came from."""
+
+    collective: fx.Node
+    wait: fx.Node
+    kind: str  # "all_reduce" | "reduce_scatter"
+    op: str  # "sum" | "avg"
+    group_name: str
+    mm: fx.Node | None  # the weight-gradient mm, if found
+    fqn: str | None  # the Linear layer's FQN, if known
+
+
+def find_gradient_collectives(graph: fx.Graph) -> list[GradientCollective]:
+    found = []
+    for target, kind in COLLECTIVES.items():
+        for node in graph.find_nodes(op="call_function", target=target):
+            kwargs = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+            waits = [u for u in node.users if u.target is WAIT]
+            if len(waits) != 1 or len(node.users) != 1:
+                continue
+            mm = _weight_gradient_mm(kwargs["input"])
+            fqn = None
+            if mm is not None:
+                origin = innermost_module(mm)
+                if origin is not None and (origin[1] is None or is_linear_type(origin[1])):
+                    fqn = origin[0]
+            found.append(GradientCollective(node, waits[0], kind, kwargs["reduce_op"], kwargs["group_name"], mm, fqn))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(found, key=lambda g: order[g.collective])
+
+
+def _weight_gradient_mm(node: fx.Node) -> fx.Node | None:
+    """Walk back from a collective's input to an ``mm`` through value-preserving glue."""
+    transposed = False
+    shape = _shape(node)
+    if shape is None or len(shape) != 2:
+        return None
+    while node.target is not aten.mm.default:
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return None
+        if node.target in _TRANSPOSES:
+            transposed = not transposed
+        elif node.target in _SCALAR_SCALE:
+            if isinstance(node.args[1], fx.Node):
+                return None
+        elif node.target in _SAME_SHAPE:
+            if _shape(node.args[0]) not in (shape, shape[::-1]):
+                return None
+        else:
+            return None
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return None
+    if transposed or _shape(node) != shape:
+        return None
+    return node
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, selected: frozenset[str]) -> list[GradientCollective]:
+    """Rewrite the Linear weight-gradient collectives of ``graph`` in place; returns those rewritten.
+
+    ``selected`` are the FQNs sent in whitened coordinates. Collectives the pass cannot
+    attribute to a Linear layer keep their original, full-precision reduction.
+    """
+    rewritten, skipped = [], []
+    for found in find_gradient_collectives(graph):
+        if found.fqn is None:
+            if found.mm is not None:
+                skipped.append(found.collective.name)
+            continue
+        if found.fqn in selected:
+            _replace(graph, found, _gift_replacement(found, config, namespace), [found.collective.args[0], found.mm.args[1], found.mm.args[0]])
+        elif config.euclidean_dtype != "fp32":
+            _replace(graph, found, _euclidean_replacement(found, config, namespace), [found.collective.args[0]])
+        else:
+            continue
+        rewritten.append(found)
+    if skipped:
+        log.warning(
+            "GIFT: %d weight-gradient collective(s) could not be attributed to a Linear layer and keep "
+            "their full-precision reduction: %s", len(skipped), skipped,
+        )
+    graph.lint()
+    return rewritten
+
+
+def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]) -> None:
+    result = splice_traced(graph, fn, args, before=found.wait)
+    found.wait.replace_all_uses_with(result)
+    graph.erase_node(found.wait)
+    graph.erase_node(found.collective)
+
+
+def _world(found: GradientCollective) -> int:
+    return torch.distributed.get_world_size(_resolve_process_group(found.group_name))
+
+
+def _gift_replacement(found: GradientCollective, config: GiftConfig, namespace: str):
+    d_out, d_in = found.mm.meta["val"].shape
+    group = _resolve_process_group(found.group_name)
+    sides = SIDES[config.side]
+    kind = whitening_kind(config.factorization, config.rank, config.side == "diag")
+    wire = WireFormat.gift(config)
+    nbytes = bytes_sent((d_out, d_in), _world(found), wire, found.kind)
+    fqn = found.fqn
+
+    def replacement(grad, layer_input, grad_output_t):
+        grad_output = grad_output_t.T if "output" in sides else None
+        token = torch.ops.gift.begin_step(namespace, fqn, found.group_name, d_out, d_in, layer_input, grad_output)
+        factors = torch.ops.gift.load_factors(namespace, fqn, d_out, d_in, token)
+        residual = torch.ops.gift.load_residual(namespace, fqn, d_out, d_in, token) if config.error_feedback else None
+        reduction = gift_reduce(grad, factors, residual, kind=kind, sides=sides, op=found.op, group=group, wire=wire, collective=found.kind)
+        torch.ops.gift.end_step(namespace, fqn, token, reduction.residual, reduction.stats, nbytes)
+        return reduction.output
+
+    return replacement
+
+
+def _euclidean_replacement(found: GradientCollective, config: GiftConfig, namespace: str):
+    wire = WireFormat.euclidean(config)
+    shape = tuple(found.collective.args[0].meta["val"].shape)
+    nbytes = bytes_sent(shape, _world(found), wire, found.kind)
+    group = _resolve_process_group(found.group_name)
+
+    def replacement(grad):
+        reduction = euclidean_reduce(grad, op=found.op, group=group, wire=wire, collective=found.kind)
+        torch.ops.gift.record_euclidean(namespace, found.fqn, config.euclidean_dtype, reduction.stats, nbytes)
+        return reduction.output
+
+    return replacement

@@ -1,0 +1,186 @@
+"""GIFT state at run time: the registry compiled graphs reach through opaque custom ops.
+
+A compiled backward graph must not hold GIFT state as constants: factors change at every
+refresh, and Inductor's FX graph cache replays a graph without re-running our pass
+(DESIGN.md decision 5). The pass therefore inserts calls to the ``gift::`` ops below, which
+carry only strings and ints (namespace, layer FQN, process-group name, shapes) and look the
+state up here, at run time, on every call::
+
+    token   = gift::begin_step(ns, fqn, group, d_out, d_in, layer_input, grad_output)
+              refresh the factors when due (collectives over `group`)
+    factors = gift::load_factors(ns, fqn, d_out, d_in, token)   copies of this step's T, T^-1
+    R       = gift::load_residual(ns, fqn, d_out, d_in, token)  copy of the residual
+    ... whiten, quantize, FP8 collective, unwhiten (plain aten ops, fused by Inductor) ...
+    gift::end_step(ns, fqn, token, R', stats, bytes)             keep R', count the step
+
+The ``token`` data dependency orders the ops; ``end_step`` and ``record_euclidean`` are
+marked side-effecting so dead-code elimination keeps them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from tabulate import tabulate
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from gift_compile.config import GiftConfig
+from gift_compile.state import GiftState, factor_shapes
+
+
+@dataclass
+class LayerCounters:
+    """What one layer's gradient did, accumulated over steps (all per rank)."""
+
+    path: str  # "gift" or the Euclidean wire dtype
+    steps: int = 0
+    bytes_sent: int = 0
+    saturated: int = 0
+    flushed: int = 0
+    refreshes: int = 0
+    last_refresh_step: int | None = None
+    last_rel_error: float | None = None  # ||V - deq(Q(V))|| / ||V|| in whitened coordinates
+
+
+@dataclass
+class GiftRuntime:
+    """One namespace's config, checkpointable state and counters."""
+
+    config: GiftConfig
+    state: GiftState = field(init=False)
+    counters: dict[str, LayerCounters] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.state = GiftState(self.config)
+
+    def counter(self, fqn: str, path: str) -> LayerCounters:
+        return self.counters.setdefault(fqn, LayerCounters(path))
+
+    def table(self) -> str:
+        rows = [
+            (fqn, c.path, c.steps, c.bytes_sent, c.saturated, c.flushed, c.refreshes, c.last_refresh_step,
+             None if c.last_rel_error is None else f"{c.last_rel_error:.3e}")
+            for fqn, c in sorted(self.counters.items())
+        ]
+        headers = ["layer", "path", "steps", "bytes sent", "saturated", "flushed", "refreshes", "last refresh", "last rel. error"]
+        return tabulate(rows, headers=headers)
+
+    def bytes_per_step(self) -> dict[str, float]:
+        """Mean bytes sent per step, by path."""
+        totals: dict[str, float] = {}
+        for c in self.counters.values():
+            if c.steps:
+                totals[c.path] = totals.get(c.path, 0.0) + c.bytes_sent / c.steps
+        return totals
+
+
+_RUNTIMES: dict[str, GiftRuntime] = {}
+_LOCK = threading.Lock()
+
+
+def register_runtime(namespace: str, config: GiftConfig) -> GiftRuntime:
+    """Create (or return the existing, same-config) runtime of ``namespace``."""
+    with _LOCK:
+        existing = _RUNTIMES.get(namespace)
+        if existing is not None:
+            if existing.config != config:
+                raise ValueError(
+                    f"GIFT namespace {namespace!r} is already in use with another config; "
+                    "pass a distinct name= to gift_backend for each model"
+                )
+            return existing
+        _RUNTIMES[namespace] = runtime = GiftRuntime(config)
+        return runtime
+
+
+def get_runtime(namespace: str) -> GiftRuntime:
+    try:
+        return _RUNTIMES[namespace]
+    except KeyError:
+        raise RuntimeError(
+            f"no GIFT runtime named {namespace!r} in this process; build the backend with "
+            f"gift_backend(config, name={namespace!r}) before running a graph compiled with it"
+        ) from None
+
+
+def _token(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float32, device=like.device)
+
+
+@torch.library.custom_op("gift::begin_step", mutates_args=())
+def begin_step(
+    namespace: str, fqn: str, group_name: str, d_out: int, d_in: int, layer_input: torch.Tensor, grad_output: torch.Tensor | None
+) -> torch.Tensor:
+    runtime = get_runtime(namespace)
+    layer = runtime.state.layer(fqn, d_out, d_in)
+    counter = runtime.counter(fqn, "gift")
+    if layer.is_refresh_step():
+        layer.refresh(layer_input, grad_output, _resolve_process_group(group_name))
+        counter.refreshes += 1
+        counter.last_refresh_step = int(layer.step)
+    return _token(layer_input)
+
+
+@begin_step.register_fake
+def _(namespace, fqn, group_name, d_out, d_in, layer_input, grad_output):
+    return _token(layer_input)
+
+
+@torch.library.custom_op("gift::load_factors", mutates_args=())
+def load_factors(namespace: str, fqn: str, d_out: int, d_in: int, token: torch.Tensor) -> list[torch.Tensor]:
+    return [t.clone() for t in get_runtime(namespace).state.layer(fqn, d_out, d_in).factor_tensors()]
+
+
+@load_factors.register_fake
+def _(namespace, fqn, d_out, d_in, token):
+    shapes = factor_shapes(get_runtime(namespace).config, d_out, d_in)
+    return [token.new_empty(shape) for shape in shapes]
+
+
+@torch.library.custom_op("gift::load_residual", mutates_args=())
+def load_residual(namespace: str, fqn: str, d_out: int, d_in: int, token: torch.Tensor) -> torch.Tensor:
+    return get_runtime(namespace).state.layer(fqn, d_out, d_in).residual.clone()
+
+
+@load_residual.register_fake
+def _(namespace, fqn, d_out, d_in, token):
+    return token.new_empty((d_out, d_in))
+
+
+@torch.library.custom_op("gift::end_step", mutates_args=())
+def end_step(
+    namespace: str, fqn: str, token: torch.Tensor, new_residual: torch.Tensor | None, stats: torch.Tensor, bytes_sent: int
+) -> None:
+    runtime = get_runtime(namespace)
+    runtime.state.layer(fqn).end_step(new_residual)
+    _count(runtime.counter(fqn, "gift"), stats, bytes_sent)
+
+
+@end_step.register_fake
+def _(namespace, fqn, token, new_residual, stats, bytes_sent):
+    return None
+
+
+@torch.library.custom_op("gift::record_euclidean", mutates_args=())
+def record_euclidean(namespace: str, fqn: str, path: str, stats: torch.Tensor, bytes_sent: int) -> None:
+    _count(get_runtime(namespace).counter(fqn, path), stats, bytes_sent)
+
+
+@record_euclidean.register_fake
+def _(namespace, fqn, path, stats, bytes_sent):
+    return None
+
+
+def _count(counter: LayerCounters, stats: torch.Tensor, bytes_sent: int) -> None:
+    saturated, flushed, err_sq, sent_sq = stats.tolist()
+    counter.steps += 1
+    counter.bytes_sent += bytes_sent
+    counter.saturated += int(saturated)
+    counter.flushed += int(flushed)
+    counter.last_rel_error = (err_sq / sent_sq) ** 0.5 if sent_sq > 0 else 0.0
+
+
+for _op in (torch.ops.gift.end_step.default, torch.ops.gift.record_euclidean.default):
+    torch.fx.node.has_side_effect(_op)
