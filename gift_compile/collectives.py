@@ -92,7 +92,7 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return dist.group.WORLD if group is None else group
 
 
-def _waited(t: torch.Tensor) -> torch.Tensor:
+def waited(t: torch.Tensor) -> torch.Tensor:
     """Eager functional collectives return lazy ``AsyncCollectiveTensor``s; results leave
     this module waited. Under tracing they are plain tensors already followed by ``wait_tensor``."""
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
@@ -128,7 +128,7 @@ def _encode(chunks: torch.Tensor, lay: Layout, wire: WireFormat, group) -> tuple
     blocks = 1 if wire.scaling == "tensor" else n * lay.blocks_per_chunk
     amax = block_amax(chunks, blocks)
     if wire.scale_mode == "global_max":
-        amax = _waited(funcol.all_reduce(amax, "max", group))
+        amax = waited(funcol.all_reduce(amax, "max", group))
     payload, scales = quantize(chunks, wire.fp8_format, blocks, amax=amax)
     scales = scales.reshape(-1, 1).expand(n, 1) if wire.scaling == "tensor" else scales.reshape(n, -1)
     return payload.reshape(n, -1), scales
@@ -179,7 +179,7 @@ def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -
     chunks = _chunked(x, lay)
     payload, scales = _encode(chunks, lay, wire, group)
     sent = _decode(payload, scales, lay, wire)
-    messages = _waited(funcol.all_to_all_single(_pack(payload, scales).reshape(-1), None, None, group))
+    messages = waited(funcol.all_to_all_single(_pack(payload, scales).reshape(-1), None, None, group))
     received_payload, received_scales = _unpack(messages.reshape(world, -1), lay)
     reduced = _decode(received_payload, received_scales, lay, wire).sum(dim=0)
     if op == "avg":
@@ -204,7 +204,7 @@ def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> t
     if pad_inner:
         chunk = torch.cat([chunk, chunk.new_zeros(1, pad_inner, lay.cols)], dim=1)
     payload, scales = _encode(chunk, lay, wire, group)
-    gathered = _waited(funcol.all_gather_single(_pack(payload, scales), 0, group))
+    gathered = waited(funcol.all_gather_single(_pack(payload, scales), 0, group))
     decoded = _decode(*_unpack(gathered.reshape(world, -1), lay), lay, wire)
     return _unchunk(decoded, lay, (rows, *shard.shape[1:]))
 
@@ -228,7 +228,7 @@ def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> to
     world = _world(group)
     lay = layout(x.shape, world, WireFormat("fp32"))
     padded = _chunked(x, lay).reshape(world * lay.shard_rows, *x.shape[1:])
-    shard = _waited(funcol.reduce_scatter_single(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group)).float()
+    shard = waited(funcol.reduce_scatter_single(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group)).float()
     if op == "avg":
         shard = shard / world
     return shard.to(x.dtype)
@@ -240,7 +240,7 @@ def all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.
     _check(x, op)
     if wire.dtype == "fp8":
         return fp8_all_reduce(x, op, group, wire).shard.to(x.dtype)
-    reduced = _waited(funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group)).float()
+    reduced = waited(funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group)).float()
     if op == "avg":
         reduced = reduced / _world(group)
     return reduced.to(x.dtype)

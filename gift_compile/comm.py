@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from gift_compile.collectives import WireFormat, all_reduce, fp8_all_reduce, fp8_reduce_scatter, reduce_scatter
-from gift_compile.geometry import Whitening, identity_whitening
+from gift_compile.geometry import FACTOR_NAMES, Whitening
 from gift_compile.state import unwhiten, whiten
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
@@ -36,12 +36,8 @@ class Reduction(NamedTuple):
     """fp32 ``[saturated, flushed, ||err||^2, ||sent||^2]`` of this rank's FP8 encoding (zeros otherwise)."""
 
 
-def factor_names(kind: str) -> list[str]:
-    return list(identity_whitening(kind, 1, 1).tensors)
-
-
 def whitenings_from_list(kind: str, sides: tuple[str, ...], factors: list[torch.Tensor]) -> dict[str, Whitening]:
-    names = factor_names(kind)
+    names = FACTOR_NAMES[kind]
     if len(factors) != len(names) * len(sides):
         raise ValueError(f"expected {len(names) * len(sides)} factor tensors for sides {sides}, got {len(factors)}")
     return {

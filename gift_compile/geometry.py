@@ -46,8 +46,13 @@ def damp(a: torch.Tensor, damping: float) -> torch.Tensor:
     return a + damping * mean_eig * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
 
 
-# The tensor whose first dimension is d_in, per storage layout.
-_DIM_TENSOR = {"dense": "T", "lowrank": "basis", "diag": "scale"}
+# Factor tensors of each storage layout, in the order they are stored and loaded; the
+# first one's dim 0 is the transform's dimension.
+FACTOR_NAMES = {
+    "dense": ("T", "T_inv"),
+    "lowrank": ("basis", "coef", "coef_inv", "scale", "scale_inv"),
+    "diag": ("scale", "scale_inv"),
+}
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class Whitening:
 
     @property
     def dim(self) -> int:
-        return self.tensors[_DIM_TENSOR[self.kind]].shape[0]
+        return self.tensors[FACTOR_NAMES[self.kind][0]].shape[0]
 
 
 def apply_whitening(kind: str, tensors: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool, side: str = "input") -> torch.Tensor:

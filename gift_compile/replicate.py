@@ -18,7 +18,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn.utils import parametrize
 
-from gift_compile.collectives import resolve_group
+from gift_compile.collectives import resolve_group, waited
 
 
 class _AverageGradient(torch.autograd.Function):
@@ -29,8 +29,7 @@ class _AverageGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        reduced = funcol.all_reduce(grad, "avg", ctx.group)
-        return funcol.wait_tensor(reduced), None
+        return waited(funcol.all_reduce(grad, "avg", ctx.group)), None
 
 
 class AverageGradient(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 
 from gift_compile.collectives import resolve_group
 from gift_compile.config import GiftConfig
-from gift_compile.geometry import Whitening, factorize, identity_whitening, second_moment, whitening_kind
+from gift_compile.geometry import FACTOR_NAMES, Whitening, factorize, identity_whitening, second_moment, whitening_kind
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,7 @@ class GiftLayerState(nn.Module):
 
     def whitening(self, side: str) -> Whitening:
         prefix = f"{side}_"
-        names = identity_whitening(self.kind, 1, 1).tensors.keys()
-        return Whitening(self.kind, {name: getattr(self, prefix + name) for name in names})
+        return Whitening(self.kind, {name: getattr(self, prefix + name) for name in FACTOR_NAMES[self.kind]})
 
     def factor_tensors(self) -> list[torch.Tensor]:
         """Every factor tensor, sides in order, in a fixed order (what the compiled graph loads)."""

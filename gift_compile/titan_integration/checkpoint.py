@@ -1,0 +1,40 @@
+"""GIFT state in torchtitan checkpoints.
+
+The trainer adds a :class:`GiftCheckpointState` to the checkpointer's ``states`` dict under
+``"gift"``; DCP then saves and restores it with the model and optimizer. Factors are the same
+on every rank but error-feedback residuals are not, and DCP keeps one copy of a plain tensor
+saved under the same key on several ranks, so every key carries the rank
+(``rank{r}/<layer>/<buffer>``). Resuming therefore needs the same data-parallel world size.
+Layer states must exist before a load (DCP loads into the tensors ``state_dict()`` returns):
+the session creates the selected layers' states when the trainer is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+
+from gift_compile.runtime import GiftRuntime
+
+KEY = "gift"
+
+
+class GiftCheckpointState(Stateful):
+    def __init__(self, runtime: GiftRuntime) -> None:
+        self.runtime = runtime
+
+    @property
+    def prefix(self) -> str:
+        return f"rank{dist.get_rank() if dist.is_initialized() else 0}/"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.prefix + k: v for k, v in self.runtime.state.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        own = {k[len(self.prefix):]: v for k, v in state_dict.items() if k.startswith(self.prefix)}
+        self.runtime.state.load_state_dict(own, strict=True)
+
+
+__all__ = ["KEY", "GiftCheckpointState"]

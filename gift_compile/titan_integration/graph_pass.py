@@ -1,0 +1,174 @@
+"""The ``gift`` pass pipeline for torchtitan's graph_trainer (``--compile.pass_pipeline gift``).
+
+graph_trainer traces forward + loss + backward into one joint FX graph with ``make_fx`` and
+then runs a list of passes on it. With SimpleFSDP every parameter's gradient leaves through
+its own collective, which is what ``gift_collectives_pass`` rewrites::
+
+    fully_shard:  mm(t(dY), X) -> t -> t -> view -> reduce_scatter_tensor(., 'sum', W, g) -> wait_tensor
+    replicate:    mm(t(dY), X) -> t -> t -> view -> all_reduce(., 'sum', g)                -> wait_tensor
+    HSDP:         both, one per mesh dimension
+
+``meta['custom']['module_fqn']`` on the ``mm`` names the Linear layer. The pipeline puts
+:func:`gift_joint_graph_pass` *before* torchtitan's default passes, so it sees the raw traced
+graph and every later pass (dead-code elimination, memory policy, regional Inductor) sees the
+rewritten one. The pass:
+
+1. runs ``gift_collectives_pass`` with the session's selected layers (whitened FP8) and
+   Euclidean FP8 (``euclidean_dtype``) for the other Linear weight gradients;
+2. sends the remaining 2-D gradients (the token embedding) through the Euclidean path with
+   ``embedding_dtype``, reusing the same replacement;
+3. records the bytes every gradient collective puts on the wire, for the metrics.
+
+With ``[gift] enabled = false`` the pipeline is exactly ``construct_default_graph_passes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from gift_compile.collectives import WireFormat, bytes_sent
+from gift_compile.config import GiftConfig
+from gift_compile.passes import gift_collectives as gc
+from gift_compile.passes.graph_utils import innermost_module
+
+log = logging.getLogger(__name__)
+
+PIPELINE_NAME = "gift"
+
+
+@dataclass
+class GraphAccounting:
+    """Bytes one rank sends per step for the gradients of one traced graph."""
+
+    fp32_bytes: int = 0
+    """What every gradient collective of the graph would send in fp32 (the baseline)."""
+    untouched_bytes: int = 0
+    """What the collectives the pass left alone send (norm weights, fp32 paths)."""
+    collectives: int = 0
+    rewritten_gift: list[str] = field(default_factory=list)
+    rewritten_euclidean: list[str] = field(default_factory=list)
+    linear_candidates: list[str] = field(default_factory=list)
+    numel: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class PassContext:
+    """What the pass needs from the trainer's GIFT session, looked up by namespace."""
+
+    namespace: str
+    config: GiftConfig
+    selected: frozenset[str]
+    embedding_dtype: str
+    accounting: GraphAccounting = field(default_factory=GraphAccounting)
+
+
+_CONTEXTS: dict[str, PassContext] = {}
+
+
+def set_pass_context(context: PassContext) -> None:
+    _CONTEXTS[context.namespace] = context
+
+
+def get_pass_context(namespace: str) -> PassContext:
+    try:
+        return _CONTEXTS[namespace]
+    except KeyError:
+        raise RuntimeError(
+            f"no GIFT session {namespace!r} in this process: the 'gift' pass pipeline needs the trainer "
+            "from gift_compile.titan_integration (GiftGraphTrainer) with [gift] enabled = true"
+        ) from None
+
+
+def _dense_wire(dtype: torch.dtype) -> WireFormat:
+    return WireFormat("bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str) -> fx.GraphModule:
+    """Rewrite the gradient collectives of graph_trainer's joint graph (module docstring)."""
+    ctx = get_pass_context(namespace)
+    graph = gm.graph
+    found = gc.find_gradient_collectives(graph)
+    accounting = GraphAccounting(collectives=len(found))
+    accounting.linear_candidates = [g.fqn for g in found if g.fqn is not None]
+    missing = sorted(ctx.selected - set(accounting.linear_candidates))
+    if missing:
+        raise ValueError(
+            f"GIFT layers {missing} have no weight-gradient collective in the traced graph; "
+            f"Linear layers with one: {accounting.linear_candidates}"
+        )
+    for g in found:
+        shape = tuple(g.collective.args[0].meta["val"].shape)
+        accounting.fp32_bytes += bytes_sent(shape, gc._world(g), WireFormat("fp32"), g.kind)
+        if g.fqn is not None:
+            accounting.numel[g.fqn] = int(torch.Size(shape).numel())
+
+    rewritten = gc.gift_collectives_pass(graph, ctx.config, namespace, ctx.selected)
+    for g in rewritten:
+        (accounting.rewritten_gift if g.fqn in ctx.selected else accounting.rewritten_euclidean).append(g.fqn)
+
+    done = {id(g.collective) for g in rewritten}
+    embedding_config = ctx.config.replace(euclidean_dtype=ctx.embedding_dtype)
+    for g in found:
+        if id(g.collective) in done:
+            continue
+        val = g.collective.args[0].meta["val"]
+        if val.dim() == 2 and g.mm is None and ctx.embedding_dtype != "fp32":
+            name = g.fqn or _origin_name(g)
+            g = dataclasses.replace(g, fqn=name)
+            gc._replace(graph, g, gc._euclidean_replacement(g, embedding_config, namespace), [g.collective.args[0]])
+            accounting.rewritten_euclidean.append(name)
+            accounting.numel[name] = int(val.numel())
+            continue
+        accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc._world(g), _dense_wire(val.dtype), g.kind)
+
+    graph.lint()
+    gm.recompile()
+    ctx.accounting = accounting
+    log.info(
+        "GIFT pass: %d gradient collectives; whitened FP8: %d %s; Euclidean %s/%s: %d; unchanged: %d",
+        accounting.collectives, len(accounting.rewritten_gift), accounting.rewritten_gift,
+        ctx.config.euclidean_dtype, ctx.embedding_dtype, len(accounting.rewritten_euclidean),
+        accounting.collectives - len(accounting.rewritten_gift) - len(accounting.rewritten_euclidean),
+    )
+    return gm
+
+
+def _origin_name(g: gc.GradientCollective) -> str:
+    node = g.collective.args[0]
+    origin = innermost_module(node)
+    return origin[0] if origin is not None else node.name
+
+
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """``{str(target): count}`` of the call_function nodes (the enabled=false snapshot)."""
+    return dict(sorted(Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function").items()))
+
+
+def gift_pass_pipeline(traced_result, config, *, parallel_dims=None) -> list:
+    """``(TracedResult, GraphTrainer.Config, parallel_dims=) -> [pass]``: GIFT first, then torchtitan's."""
+    from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
+
+    passes = construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
+    gift = getattr(config, "gift", None)
+    if gift is None or not gift.enabled:
+        return passes
+    from gift_compile.titan_integration.session import NAMESPACE
+
+    return [functools.partial(gift_joint_graph_pass, namespace=NAMESPACE), *passes]
+
+
+def register_pipeline() -> None:
+    """Register :func:`gift_pass_pipeline` under ``"gift"`` (idempotent)."""
+    from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline
+
+    register_pass_pipeline(PIPELINE_NAME)(gift_pass_pipeline)
+
+
+__all__ = ["PIPELINE_NAME", "GraphAccounting", "PassContext", "gift_joint_graph_pass", "gift_pass_pipeline", "op_counts", "register_pipeline"]

@@ -1,0 +1,192 @@
+"""GIFT inside one torchtitan run: runtime, layer selection, ``auto`` profiling, metrics.
+
+A :class:`GiftSession` is created by the trainer when ``[gift] enabled = true``. It
+
+- registers the GIFT runtime (state + counters, reached by the ``gift::`` custom ops) under
+  :data:`NAMESPACE` and puts its state into the checkpointer (``states["gift"]``);
+- resolves ``layers`` patterns against the model's ``nn.Linear`` FQNs (``select_layers``) and
+  creates those layers' state, so a checkpoint can be loaded before the first step;
+- with ``layers = "auto"``: the first ``auto_profile_steps`` steps run every Linear weight
+  gradient as Euclidean FP8; then it sums the boundary hits over ranks, chooses the layers
+  (``autoselect``), writes them to ``<dump_folder>/<layers_file>``, resets the counters and
+  drops the traced graph so graph_trainer retraces it with the chosen layers whitened;
+- adds GIFT metrics to every torchtitan log line (console, TensorBoard/W&B) and appends one
+  JSON record per logged step to ``<dump_folder>/gift_metrics.jsonl`` (rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gift_compile.runtime import GiftRuntime, register_runtime
+from gift_compile.selection import select_layers
+from gift_compile.titan_integration import autoselect
+from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState
+from gift_compile.titan_integration.config import GiftSection, to_gift_config
+from gift_compile.titan_integration.graph_pass import PIPELINE_NAME, PassContext, get_pass_context, set_pass_context
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "titan"
+METRICS_FILE = "gift_metrics.jsonl"
+
+
+def linear_weight_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{fqn: (d_out, d_in)}`` of every ``nn.Linear`` (global shapes, also for DTensor weights)."""
+    shapes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            for pname, param in module.named_parameters(recurse=True):
+                if pname == "weight" or pname.endswith("weight.original"):
+                    shapes[name] = tuple(param.shape)
+                    break
+    return shapes
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class GiftSession:
+    def __init__(self, trainer, section: GiftSection) -> None:
+        self.trainer = trainer
+        self.section = section
+        self.config = to_gift_config(section)
+        compile_config = trainer.config.compile
+        if getattr(compile_config, "pass_pipeline", None) != PIPELINE_NAME or not compile_config.enable:
+            raise ValueError(
+                f"[gift] enabled = true needs graph_trainer's joint-graph pass: set [compile] enable = true, "
+                f"mode = \"aot_fx_trace\" and pass_pipeline = \"{PIPELINE_NAME}\" (got enable={compile_config.enable}, "
+                f"pass_pipeline={getattr(compile_config, 'pass_pipeline', None)!r})"
+            )
+        self.runtime: GiftRuntime = register_runtime(NAMESPACE, self.config)
+        self.dump_folder = Path(trainer.config.dump_folder)
+        self.shapes = linear_weight_shapes(trainer.model_parts[0])
+        self.auto = self.config.layers == "auto"
+        self.chosen: list[str] = [] if self.auto else select_layers(list(self.shapes), self.config.layers)
+        self.profile_table: str | None = None
+        self.switched_at: int | None = None
+        self._create_layer_states(self.chosen)
+        set_pass_context(self._context())
+        trainer.checkpointer.states[KEY] = GiftCheckpointState(self.runtime)
+        self._wrap_metrics(trainer.metrics_processor)
+        self._last_log = time.perf_counter()
+        log.info(
+            "GIFT enabled: %s; layers %s", self.config,
+            f"auto (profiling {self.config.auto_profile_steps} steps)" if self.auto else self.chosen,
+        )
+
+    # -- selection -------------------------------------------------------------------------
+    @property
+    def profiling(self) -> bool:
+        return self.auto and self.switched_at is None
+
+    def _context(self) -> PassContext:
+        config = self.config
+        if self.profiling:  # the paper profiles with Euclidean FP8, whatever euclidean_dtype says
+            config = config.replace(euclidean_dtype="fp8")
+        return PassContext(NAMESPACE, config, frozenset(self.chosen), self.section.embedding_dtype)
+
+    def _create_layer_states(self, fqns: list[str]) -> None:
+        for fqn in fqns:
+            d_out, d_in = self.shapes[fqn]
+            self.runtime.state.layer(fqn, d_out, d_in)
+
+    def before_step(self, step: int) -> None:
+        """Called at the start of every train step (``step`` is the 1-based step about to run)."""
+        if self.profiling and step == self.config.auto_profile_steps + 1:
+            self._switch_to_gift(step)
+
+    def _switch_to_gift(self, step: int) -> None:
+        numel = get_pass_context(NAMESPACE).accounting.numel
+        linear = {f: n for f, n in numel.items() if f in self.shapes}
+        rates = autoselect.global_hit_counts(self.runtime.counters, linear)
+        self.chosen = autoselect.choose_layers(rates, self.config.auto_max_layers)
+        self.profile_table = self.runtime.table()
+        self.switched_at = step
+        text = autoselect.layers_toml(self.chosen, rates, self.config.auto_profile_steps)
+        if rank() == 0:
+            path = self.dump_folder / self.section.layers_file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            log.info("GIFT auto: wrote the chosen layers to %s", path)
+        log.info("GIFT auto: profile after %d steps\n%s", self.config.auto_profile_steps, text)
+        if not self.chosen:
+            log.warning("GIFT auto: no Linear layer had an FP8 boundary hit; every layer stays Euclidean FP8")
+        self._create_layer_states(self.chosen)
+        self.runtime.counters.clear()
+        set_pass_context(self._context())
+        self.trainer._traced_step = None  # graph_trainer retraces and reruns the pass pipeline
+
+    # -- metrics ---------------------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        accounting = get_pass_context(NAMESPACE).accounting
+        by_path = self.runtime.bytes_per_step()
+        total = sum(by_path.values()) + accounting.untouched_bytes
+        out: dict[str, Any] = {f"gift/bytes_per_step/{p}": v for p, v in sorted(by_path.items())}
+        out["gift/bytes_per_step/unchanged"] = accounting.untouched_bytes
+        out["gift/bytes_per_step"] = total
+        out["gift/bytes_per_step_fp32"] = accounting.fp32_bytes
+        out["gift/bytes_ratio_vs_fp32"] = total / accounting.fp32_bytes if accounting.fp32_bytes else None
+        out["gift/layers"] = len(self.chosen)
+        out["gift/refreshes"] = sum(c.refreshes for c in self.runtime.counters.values())
+        out["gift/profiling"] = int(self.profiling)
+        return out
+
+    def _wrap_metrics(self, processor) -> None:
+        session = self
+        original_log = processor.log
+        original_validation = getattr(processor, "log_validation", None)
+
+        def log_with_gift(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+            gift = session.metrics()
+            original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **gift})
+            logging.getLogger("torchtitan").info(
+                "[gift] step %d: bytes/step %.0f (%.3fx fp32) %s; gift layers %d; refreshes %d",
+                step, gift["gift/bytes_per_step"], gift["gift/bytes_ratio_vs_fp32"] or float("nan"),
+                {k.rsplit("/", 1)[1]: round(v) for k, v in gift.items() if k.startswith("gift/bytes_per_step/")},
+                gift["gift/layers"], gift["gift/refreshes"],
+            )
+            session.record(step, loss=global_avg_loss, grad_norm=grad_norm, **gift)
+
+        processor.log = log_with_gift
+        if original_validation is not None:
+            def log_validation_with_gift(loss, step, extra_metrics=None):
+                original_validation(loss, step, extra_metrics=extra_metrics)
+                session.record(step, validation_loss=loss)
+
+            processor.log_validation = log_validation_with_gift
+
+    def record(self, step: int, **values: Any) -> None:
+        record_metrics(self.dump_folder, step, **values)
+
+    def summary(self) -> str:
+        return self.runtime.table()
+
+
+def record_metrics(dump_folder: Path, step: int, **values: Any) -> None:
+    """Append one JSON line to ``<dump_folder>/gift_metrics.jsonl`` (rank 0 only)."""
+    if rank() != 0:
+        return
+    values = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+    values["step"] = step
+    values["time"] = time.time()
+    values["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if torch.cuda.is_available():
+        values["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    with open(dump_folder / METRICS_FILE, "a") as f:
+        f.write(json.dumps(values) + "\n")
+
+
+__all__ = ["METRICS_FILE", "NAMESPACE", "GiftSession", "linear_weight_shapes", "record_metrics"]

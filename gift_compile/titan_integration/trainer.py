@@ -1,0 +1,107 @@
+"""torchtitan trainers with a ``gift`` config section.
+
+- :class:`GiftGraphTrainer` (graph_trainer, SimpleFSDP, ``make_fx`` joint graph): the supported
+  route. ``[gift] enabled = true`` runs the ``gift`` pass pipeline on the joint graph.
+- :class:`GiftTrainer` (the standard trainer: FSDP2 ``fully_shard`` + per-block compile):
+  accepts the section so job files stay uniform, but ``enabled = true`` stops with an error that
+  names the graph_trainer route. FSDP2 reduce-scatters one flat buffer per block from a hook
+  outside every graph (``set_custom_reduce_scatter``); GIFT needs each Linear layer's input
+  activations for its factors and its own per-layer state, which live in the traced graph.
+
+Both write ``gift_metrics.jsonl`` (loss, bytes, memory per logged step) to the dump folder;
+the graph trainer also writes the op counts of the graph it runs to
+``gift_graph_ops.json`` after the first step (rank 0), so a test can compare graphs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.distributed as dist
+from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
+from torchtitan.trainer import Trainer
+
+from gift_compile.titan_integration.config import GiftSection
+from gift_compile.titan_integration.graph_pass import op_counts, register_pipeline
+from gift_compile.titan_integration.session import GiftSession, record_metrics
+
+GRAPH_OPS_FILE = "gift_graph_ops.json"
+
+register_pipeline()
+
+STANDARD_TRAINER_ERROR = (
+    "[gift] enabled = true is not supported on torchtitan's standard trainer (FSDP2 fully_shard + "
+    "per-block compile): its gradient reduce-scatter runs on one flat buffer per block outside every "
+    "traced graph, where GIFT cannot see the layers' input activations. Use the graph_trainer route: "
+    "[launch] config = \"llama3_debug\" (or any config of gift_compile.titan_integration.configs built on "
+    "GiftGraphTrainer) with [compile] pass_pipeline = \"gift\"."
+)
+
+
+def _wrap_loss_recording(trainer) -> None:
+    """Disabled runs: still record loss and memory per logged step (for benchmarks)."""
+    processor = trainer.metrics_processor
+    original_log = processor.log
+    original_validation = getattr(processor, "log_validation", None)
+    folder = Path(trainer.config.dump_folder)
+
+    def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
+        record_metrics(folder, step, loss=global_avg_loss, grad_norm=grad_norm)
+
+    processor.log = log
+    if original_validation is not None:
+        def log_validation(loss, step, extra_metrics=None):
+            original_validation(loss, step, extra_metrics=extra_metrics)
+            record_metrics(folder, step, validation_loss=loss)
+
+        processor.log_validation = log_validation
+
+
+class GiftGraphTrainer(GraphTrainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(GraphTrainer.Config):
+        gift: GiftSection = field(default_factory=GiftSection)
+        """GIFT gradient communication (``--gift.<field>``, TOML ``[gift]``)."""
+
+    def __init__(self, config: GiftGraphTrainer.Config) -> None:
+        super().__init__(config)
+        self.gift_session = GiftSession(self, config.gift) if config.gift.enabled else None
+        if self.gift_session is None:
+            _wrap_loss_recording(self)
+        self._ops_written = False
+
+    def train_step(self, data_iterator):
+        if self.gift_session is not None:
+            self.gift_session.before_step(self.step)
+        super().train_step(data_iterator)
+        if not self._ops_written and self._traced_step is not None:
+            self._ops_written = True
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                Path(self.config.dump_folder).mkdir(parents=True, exist_ok=True)
+                (Path(self.config.dump_folder) / GRAPH_OPS_FILE).write_text(json.dumps(op_counts(self._traced_step.gm), indent=1))
+
+    def close(self) -> None:
+        if self.gift_session is not None:
+            from torchtitan.tools.logging import logger
+
+            logger.info("[gift] per-layer counters (rank %d):\n%s", dist.get_rank() if dist.is_initialized() else 0, self.gift_session.summary())
+        super().close()
+
+
+class GiftTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        gift: GiftSection = field(default_factory=GiftSection)
+        """GIFT gradient communication; enabled = true needs the graph_trainer route."""
+
+    def __init__(self, config: GiftTrainer.Config) -> None:
+        if config.gift.enabled:
+            raise ValueError(STANDARD_TRAINER_ERROR)
+        super().__init__(config)
+        _wrap_loss_recording(self)
+
+
+__all__ = ["GRAPH_OPS_FILE", "GiftGraphTrainer", "GiftTrainer", "STANDARD_TRAINER_ERROR"]
