@@ -78,7 +78,8 @@ class GiftSession:
         self.switched_at: int | None = None
         self._create_layer_states(self.chosen)
         set_pass_context(self._context())
-        trainer.checkpointer.states[KEY] = GiftCheckpointState(self.runtime)
+        if getattr(trainer.checkpointer, "enable", False):
+            trainer.checkpointer.states[KEY] = GiftCheckpointState(self.runtime)
         self._wrap_metrics(trainer.metrics_processor)
         self._last_log = time.perf_counter()
         log.info(
