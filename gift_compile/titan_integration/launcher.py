@@ -1,0 +1,260 @@
+"""``gift-titan job.toml [--nproc N] [--section.field value ...]``: the TOML front-end.
+
+A job file holds torchtitan's config sections as TOML tables, ``[gift]``, and ``[launch]``::
+
+    dump_folder = "./outputs/debug"      # top-level Config fields (before any table)
+
+    [launch]
+    nproc = 2                            # ranks (torchrun --nproc_per_node)
+    config = "llama3_debug"              # a function of the config module below
+    module = "gift_compile.titan_integration.configs"
+
+    [training]
+    steps = 20
+
+    [gift]
+    enabled = true
+
+Every key is checked against the chosen config (nested tables such as
+``[validator.dataloader]`` too) and ``[gift]`` against ``GiftConfig``; an unknown key or a bad
+value stops the launch with a message listing the valid keys. Flags on the command line
+(``--training.steps 5``, ``--gift.enabled``, ``--gift.no-enabled``, ``--gift.layers=w2,wo``)
+override the file. The result becomes torchtitan's own ``--section.field`` flags, parsed once
+more by torchtitan's ``ConfigManager`` here (``--dry-run`` stops after that and prints the
+torchrun command), then ``torchrun`` starts ``nproc`` ranks of
+``gift_compile.titan_integration.entry``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from gift_compile.launch import free_port
+
+DEFAULT_MODULE = "gift_compile.titan_integration.configs"
+DEFAULT_CONFIG = "llama3_debug"
+LAUNCH_KEYS = {"nproc": int, "config": str, "module": str, "master_port": int}
+
+
+class JobError(ValueError):
+    """A job file or flag that cannot be run; the message says which key and why."""
+
+
+# -- reading ----------------------------------------------------------------------------------
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set(document: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = document
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise JobError(f"--{dotted}: {part!r} is a value, not a section")
+    node[leaf] = value
+
+
+def parse_overrides(argv: list[str]) -> dict[str, Any]:
+    """``--a.b v``, ``--a.b=v``, ``--a.b`` (true), ``--a.no-b`` (false) -> nested dict."""
+    document: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("--"):
+            raise JobError(f"unexpected argument {token!r}; overrides look like --section.field value")
+        key, eq, value = token[2:].partition("=")
+        key = key.replace("-", "_")
+        leaf = key.rsplit(".", 1)[-1]
+        if eq:
+            parsed = _parse_value(value)
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            i += 1
+            parsed = _parse_value(argv[i])
+        elif leaf.startswith("no_"):
+            key, parsed = key[: len(key) - len(leaf)] + leaf[3:], False
+        else:
+            parsed = True
+        _set(document, key, parsed)
+        i += 1
+    return document
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def load_job(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                document = tomllib.load(f)
+        except FileNotFoundError:
+            raise JobError(f"job file {str(path)!r} not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise JobError(f"{path}: not valid TOML: {e}") from None
+    return merge(document, parse_overrides(overrides or []))
+
+
+# -- checking ---------------------------------------------------------------------------------
+def launch_settings(document: dict) -> dict[str, Any]:
+    launch = document.get("launch", {})
+    if not isinstance(launch, dict):
+        raise JobError("[launch] must be a table")
+    unknown = sorted(set(launch) - set(LAUNCH_KEYS))
+    if unknown:
+        raise JobError(f"unknown [launch] key(s) {unknown}; valid keys: {sorted(LAUNCH_KEYS)}")
+    settings = {"nproc": 1, "config": DEFAULT_CONFIG, "module": DEFAULT_MODULE, "master_port": 0} | launch
+    for key, kind in LAUNCH_KEYS.items():
+        if not isinstance(settings[key], kind) or isinstance(settings[key], bool):
+            raise JobError(f"[launch] {key} = {settings[key]!r} is invalid; it must be a {kind.__name__}")
+    if settings["nproc"] < 1:
+        raise JobError(f"[launch] nproc = {settings['nproc']} is invalid; it must be >= 1")
+    return settings
+
+
+def base_config(module: str, name: str):
+    try:
+        registry = importlib.import_module(module)
+    except ImportError as e:
+        raise JobError(f"[launch] module = {module!r} cannot be imported: {e}") from None
+    fn = getattr(registry, name, None)
+    if not callable(fn):
+        public = [n for n in getattr(registry, "__all__", dir(registry)) if not n.startswith("_")]
+        raise JobError(f"[launch] config = {name!r} is not a config of {module}; available: {public}")
+    return fn()
+
+
+def check_section(obj: Any, values: dict, path: str) -> None:
+    """Every key of ``values`` must name a field of the dataclass ``obj`` (recursively)."""
+    names = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        where = f"{path}.{key}" if path else key
+        if key not in names:
+            section = f"[{path}]" if path else "top level"
+            raise JobError(f"unknown key {where!r} ({section}); valid keys: {sorted(names)}")
+        current = getattr(obj, key)
+        if isinstance(value, dict):
+            if current is None or not dataclasses.is_dataclass(current):
+                raise JobError(f"{where!r} is a value, not a section; write {where} = <value>")
+            check_section(current, value, where)
+        elif dataclasses.is_dataclass(current):
+            raise JobError(f"{where!r} is a section; write it as a [{where}] table")
+
+
+def check_job(document: dict) -> tuple[dict[str, Any], Any]:
+    """Validate the whole job; returns the launch settings and the base config."""
+    from gift_compile.titan_integration.config import section_from_dict
+
+    settings = launch_settings(document)
+    config = base_config(settings["module"], settings["config"])
+    body = {k: v for k, v in document.items() if k != "launch"}
+    gift = body.pop("gift", None)
+    if gift is not None:
+        if not isinstance(gift, dict):
+            raise JobError("[gift] must be a table")
+        if not hasattr(config, "gift"):
+            raise JobError(f"config {settings['config']!r} has no gift section; use a config of {DEFAULT_MODULE}")
+        try:
+            section_from_dict(gift)
+        except (ValueError, TypeError) as e:
+            raise JobError(str(e)) from None
+    check_section(config, body, "")
+    return settings, config
+
+
+# -- flags ------------------------------------------------------------------------------------
+def _flag_value(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_flag_value(v) for v in value)
+    return str(value)
+
+
+def to_flags(values: dict, prefix: str = "") -> list[str]:
+    """Nested dict -> torchtitan (tyro) flags: ``--a.b v``, ``--a.b`` / ``--a.no-b``."""
+    flags: list[str] = []
+    for key, value in values.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flags += to_flags(value, dotted + ".")
+        elif isinstance(value, bool):
+            flags.append(f"--{dotted}" if value else f"--{prefix}no-{key}")
+        else:
+            flags += [f"--{dotted}", _flag_value(value)]
+    return flags
+
+
+def titan_args(document: dict, settings: dict) -> list[str]:
+    body = {k: v for k, v in document.items() if k != "launch"}
+    if isinstance(body.get("gift", {}).get("layers"), str):
+        body["gift"] = {**body["gift"], "layers": [body["gift"]["layers"]]}
+    return ["--module", settings["module"], "--config", settings["config"], *to_flags(body)]
+
+
+def parse_with_torchtitan(args: list[str]):
+    """torchtitan's own parse of the final flags (type errors surface here, before torchrun)."""
+    from torchtitan.config import ConfigManager
+
+    try:
+        return ConfigManager().parse_args(args)
+    except SystemExit as e:
+        raise JobError(f"torchtitan rejected the flags {shlex.join(args)} (exit {e.code}); see the message above") from None
+
+
+def torchrun_command(settings: dict, args: list[str]) -> list[str]:
+    port = settings["master_port"] or free_port()
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc_per_node={settings['nproc']}", "--master_addr=127.0.0.1", f"--master_port={port}",
+        "-m", "gift_compile.titan_integration.entry", *args,
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gift-titan", description="Run a torchtitan job described by a TOML file, with GIFT ([gift] enabled = true).",
+        epilog="Any --section.field value flag overrides the job file.",
+    )
+    parser.add_argument("job", nargs="?", help="TOML job file (torchtitan sections, [gift], [launch])")
+    parser.add_argument("--nproc", type=int, help="ranks to launch (overrides [launch] nproc)")
+    parser.add_argument("--dry-run", action="store_true", help="check the job and print the torchrun command; do not run")
+    ns, rest = parser.parse_known_args(argv)
+    try:
+        document = load_job(ns.job, rest)
+        if ns.nproc is not None:
+            document = merge(document, {"launch": {"nproc": ns.nproc}})
+        settings, _ = check_job(document)
+        args = titan_args(document, settings)
+        parse_with_torchtitan(args)
+    except JobError as e:
+        print(f"gift-titan: error: {e}", file=sys.stderr)
+        return 2
+    command = torchrun_command(settings, args)
+    print("gift-titan:", shlex.join(command), flush=True)
+    if ns.dry_run:
+        return 0
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
