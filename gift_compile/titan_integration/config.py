@@ -104,7 +104,7 @@ def section_from_dict(values: dict) -> GiftSection:
         raise ValueError(f"unknown [gift] key(s) {unknown}; valid keys: {section_field_names()}")
     values = dict(values)
     if isinstance(values.get("layers"), str):
-        values["layers"] = [values["layers"]]
+        values["layers"] = values["layers"].split(",")  # "auto", "w2" or "w2,wo" (command line)
     section = GiftSection(**values)
     to_gift_config(section)  # validate every GiftConfig field now, with its message
     if section.embedding_dtype not in ("fp8", "bf16", "fp32"):

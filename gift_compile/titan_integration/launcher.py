@@ -51,6 +51,8 @@ class JobError(ValueError):
 
 # -- reading ----------------------------------------------------------------------------------
 def _parse_value(text: str) -> Any:
+    if text == "None":  # torchtitan's spelling of an unset optional value
+        return None
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -172,9 +174,13 @@ def check_job(document: dict) -> tuple[dict[str, Any], Any]:
         if not hasattr(config, "gift"):
             raise JobError(f"config {settings['config']!r} has no gift section; use a config of {DEFAULT_MODULE}")
         try:
-            section_from_dict(gift)
+            section = section_from_dict(gift)
         except (ValueError, TypeError) as e:
             raise JobError(str(e)) from None
+        if section.enabled and not hasattr(config.compile, "pass_pipeline"):
+            from gift_compile.titan_integration.trainer import STANDARD_TRAINER_ERROR
+
+            raise JobError(STANDARD_TRAINER_ERROR)
     check_section(config, body, "")
     return settings, config
 
@@ -205,7 +211,7 @@ def to_flags(values: dict, prefix: str = "") -> list[str]:
 def titan_args(document: dict, settings: dict) -> list[str]:
     body = {k: v for k, v in document.items() if k != "launch"}
     if isinstance(body.get("gift", {}).get("layers"), str):
-        body["gift"] = {**body["gift"], "layers": [body["gift"]["layers"]]}
+        body["gift"] = {**body["gift"], "layers": body["gift"]["layers"].split(",")}
     return ["--module", settings["module"], "--config", settings["config"], *to_flags(body)]
 
 

@@ -16,6 +16,7 @@ A :class:`GiftSession` is created by the trainer when ``[gift] enabled = true``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -173,6 +174,23 @@ class GiftSession:
 
     def summary(self) -> str:
         return self.runtime.table()
+
+    def write_counters(self) -> Path:
+        """``<dump_folder>/gift_counters_rank<r>.json``: per-layer counters and a state fingerprint."""
+        state = self.runtime.state
+        residual = sum(float(l.residual.double().norm()) for l in state.layers.values() if l.residual is not None)
+        payload = {
+            "chosen": self.chosen,
+            "switched_at": self.switched_at,
+            "layers": {fqn: dataclasses.asdict(c) for fqn, c in sorted(self.runtime.counters.items())},
+            "state_checksum": float(state.checksum()),
+            "residual_norm": residual,
+            "state_steps": {l.fqn: int(l.step) for l in state.layers.values()},
+        }
+        self.dump_folder.mkdir(parents=True, exist_ok=True)
+        path = self.dump_folder / f"gift_counters_rank{rank()}.json"
+        path.write_text(json.dumps(payload, indent=1))
+        return path
 
 
 def record_metrics(dump_folder: Path, step: int, **values: Any) -> None:

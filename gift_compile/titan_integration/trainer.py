@@ -87,6 +87,7 @@ class GiftGraphTrainer(GraphTrainer):
         if self.gift_session is not None:
             from torchtitan.tools.logging import logger
 
+            self.gift_session.write_counters()
             logger.info("[gift] per-layer counters (rank %d):\n%s", dist.get_rank() if dist.is_initialized() else 0, self.gift_session.summary())
         super().close()
 

@@ -1,0 +1,71 @@
+"""Run a gift-titan job and read back what it wrote (tests and benchmarks).
+
+:func:`run_job` launches ``gift-titan`` in a subprocess on a job file plus overrides, with its
+own dump folder, and returns a :class:`JobResult`: the exit code, the log, and the records of
+``gift_metrics.jsonl`` / ``gift_counters_rank*.json`` / ``gift_graph_ops.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gift_compile.titan_integration.session import METRICS_FILE
+from gift_compile.titan_integration.trainer import GRAPH_OPS_FILE
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    log: str
+    dump_folder: Path
+    wall_s: float
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def series(self, key: str) -> dict[int, float]:
+        return {r["step"]: r[key] for r in self.records if r.get(key) is not None}
+
+    def losses(self) -> list[float]:
+        return [v for _, v in sorted(self.series("loss").items())]
+
+    def last(self, key: str):
+        values = [r[key] for r in self.records if r.get(key) is not None]
+        return values[-1] if values else None
+
+    def counters(self, rank: int = 0) -> dict[str, Any]:
+        return json.loads((self.dump_folder / f"gift_counters_rank{rank}.json").read_text())
+
+    def graph_ops(self) -> dict[str, int]:
+        return json.loads((self.dump_folder / GRAPH_OPS_FILE).read_text())
+
+    def check(self) -> JobResult:
+        if self.returncode != 0:
+            raise RuntimeError(f"gift-titan job failed (exit {self.returncode}); log tail:\n{self.log[-6000:]}")
+        return self
+
+
+def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, timeout: float = 900, cwd: str | Path | None = None) -> JobResult:
+    dump_folder = Path(dump_folder).resolve()
+    if (dump_folder / METRICS_FILE).exists():
+        (dump_folder / METRICS_FILE).unlink()
+    command = [sys.executable, "-m", "gift_compile.titan_integration.launcher"]
+    command += [str(job)] if job is not None else []
+    command += ["--dump_folder", str(dump_folder), *overrides]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    wall = time.perf_counter() - start
+    records = []
+    metrics = dump_folder / METRICS_FILE
+    if metrics.exists():
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return JobResult(proc.returncode, proc.stdout + proc.stderr, dump_folder, wall, records)
+
+
+__all__ = ["JobResult", "run_job"]

@@ -1,0 +1,112 @@
+"""gift-titan front-end: [gift] section <-> GiftConfig, job-file checks, flags, auto selection.
+
+No training here (fast); the torchtitan runs are in test_titan_train.py / test_titan_disabled.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from gift_compile.config import GiftConfig  # noqa: E402
+from gift_compile.runtime import LayerCounters  # noqa: E402
+from gift_compile.titan_integration import autoselect, launcher  # noqa: E402
+from gift_compile.titan_integration.config import (  # noqa: E402
+    INTEGRATION_FIELDS, GiftSection, section_field_names, section_from_dict, to_gift_config,
+)
+
+
+def test_every_gift_config_field_is_a_section_field():
+    assert set(section_field_names()) == set(GiftConfig.field_names()) | set(INTEGRATION_FIELDS)
+    section = GiftSection()
+    assert section.enabled is False
+    defaults = GiftConfig()
+    for name in GiftConfig.field_names():
+        if name not in ("enabled", "layers"):
+            assert getattr(section, name) == getattr(defaults, name), name
+    assert tuple(section.layers) == defaults.layers
+
+
+def test_section_converts_to_gift_config():
+    assert to_gift_config(GiftSection(enabled=True, layers=["auto"])).layers == "auto"
+    assert to_gift_config(GiftSection(layers=["w2", "wo"], rank=None)).layers == ("w2", "wo")
+    with pytest.raises(ValueError, match="'auto' must be the only entry"):
+        to_gift_config(GiftSection(layers=["auto", "w2"]))
+    assert section_from_dict({"layers": "auto"}).layers == ["auto"]
+
+
+def test_bad_gift_key_is_a_clear_error(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text("[launch]\nnproc = 2\n\n[gift]\nenabled = true\nrnak = 16\n")
+    assert launcher.main([str(job), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown [gift] key(s) ['rnak']" in err and "'rank'" in err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[training]\nstepz = 3\n", "unknown key 'training.stepz'"),
+        ("[trainingg]\nsteps = 3\n", "unknown key 'trainingg'"),
+        ("[launch]\nnprocs = 2\n", "unknown [launch] key(s) ['nprocs']"),
+        ("[gift]\nfp8_format = \"e4m4\"\n", "GiftConfig.fp8_format='e4m4' is invalid"),
+        ("[launch]\nconfig = \"llama3_debug_standard\"\n[gift]\nenabled = true\n", "graph_trainer route"),
+        ("training = 3\n", "'training' is a section"),
+    ],
+)
+def test_bad_job_files(tmp_path, capsys, text, message):
+    job = tmp_path / "job.toml"
+    job.write_text(text)
+    assert launcher.main([str(job), "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flags_override_the_file_and_reach_torchtitan(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text('dump_folder = "x"\n[launch]\nnproc = 2\n[training]\nsteps = 50\n[gift]\nenabled = true\nlayers = ["w2"]\n')
+    document = launcher.load_job(job, ["--training.steps", "3", "--gift.layers=w2,wo", "--gift.no-error_feedback", "--gift.rank", "None"])
+    settings, _ = launcher.check_job(document)
+    args = launcher.titan_args(document, settings)
+    config = launcher.parse_with_torchtitan(args)
+    assert config.training.steps == 3
+    assert config.gift.enabled and config.gift.layers == ["w2", "wo"] and config.gift.error_feedback is False
+    assert config.gift.rank is None
+    assert config.compile.pass_pipeline == "gift"
+    assert launcher.main([str(job), "--dry-run", "--nproc", "3"]) == 0
+    assert "--nproc_per_node=3" in capsys.readouterr().out
+
+
+def test_auto_selection_cuts_at_the_largest_drop():
+    rates = [
+        autoselect.LayerHitRate("a.w2", 90, 1000), autoselect.LayerHitRate("b.w2", 80, 1000),
+        autoselect.LayerHitRate("c.wo", 10, 1000), autoselect.LayerHitRate("d.wo", 8, 1000),
+        autoselect.LayerHitRate("e.w1", 0, 1000),
+    ]
+    assert autoselect.choose_layers(rates) == ["a.w2", "b.w2"]
+    assert autoselect.choose_layers(rates, max_layers=3) == ["a.w2", "b.w2", "c.wo"]
+    assert autoselect.choose_layers([autoselect.LayerHitRate("x", 0, 10)]) == []
+    counters = {"a": LayerCounters("fp8", steps=2, saturated=3, flushed=1)}
+    assert autoselect.global_hit_counts(counters, {"a": 10}) == [autoselect.LayerHitRate("a", 4, 20)]
+    text = autoselect.layers_toml(["a.w2"], rates, 100)
+    assert 'layers = ["a.w2"]' in text
+
+
+def test_shims_are_not_applied_on_import():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    import gift_compile.titan_integration.configs  # noqa: F401  (imports torchtitan)
+    import torchtitan.tools.utils as utils
+
+    from gift_compile.titan_integration import cpu_support
+
+    if cpu_support.APPLIED:
+        pytest.skip("another test in this process applied the shims")
+    assert not hasattr(FSDPModule.set_gradient_divide_factor, "__wrapped__")
+    assert utils.device_module is not cpu_support.CPU_DEVICE_MODULE
+    assert "fsdp_force_sum" in cpu_support.needed_shims()
+    assert dataclasses.is_dataclass(GiftSection)
+    del dist
