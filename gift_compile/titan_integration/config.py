@@ -90,7 +90,7 @@ def section_field_names() -> list[str]:
 def to_gift_config(section: GiftSection) -> GiftConfig:
     """The library config this section describes (validated by ``GiftConfig``)."""
     values = {name: getattr(section, name) for name in GiftConfig.field_names()}
-    layers = list(values["layers"])
+    layers = [p for p in values["layers"] if p]  # [] / "" (command line): whiten nothing
     values["layers"] = "auto" if layers == ["auto"] else tuple(layers)
     if "auto" in layers and len(layers) > 1:
         raise ValueError(f"GiftConfig.layers={layers!r} is invalid; 'auto' must be the only entry")
