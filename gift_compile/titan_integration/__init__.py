@@ -1,0 +1,17 @@
+"""GIFT in torchtitan 0.3.0 (graph_trainer route); see README_SECTION.md.
+
+Nothing is imported or patched here: importing ``gift_compile`` never touches torchtitan.
+
+- ``cpu_support``  CPU/gloo shims, each guarded by its condition, applied by ``entry``
+- ``config``       the ``[gift]`` / ``--gift.<field>`` trainer section and its GiftConfig
+- ``graph_pass``   the ``gift`` pass pipeline on graph_trainer's joint graph
+- ``session``      runtime, layer selection, ``layers = "auto"`` profiling, metrics
+- ``autoselect``   boundary-hit rates -> chosen layers
+- ``checkpoint``   GIFT state as a DCP stateful (``states["gift"]``)
+- ``trainer``      GiftGraphTrainer (supported) and GiftTrainer (standard, GIFT refused)
+- ``configs``      config registry: llama3_debug, llama3_debug_standard, llama3_8b
+- ``data``         local datasets and the bundled corpus / default tokenizer
+- ``launcher``     ``gift-titan job.toml``: TOML front-end and torchrun
+- ``entry``        per-rank entry point started by torchrun
+- ``jobs``         run a job and read its records (tests, benchmarks)
+"""
