@@ -32,7 +32,10 @@ from gift_compile.selection import select_layers
 
 log = logging.getLogger(__name__)
 
-_PACKAGE_FILES = tuple(sorted(str(p) for p in Path(__file__).parent.rglob("*.py")))
+# The modules whose code ends up in (or drives) a rewritten graph: a change to any of them
+# must invalidate cached graphs; changes elsewhere in the package must not.
+_PASS_MODULES = ("config", "numerics", "geometry", "collectives", "comm", "state", "runtime", "passes/gift_collectives", "passes/graph_utils")
+_PASS_FILES = tuple(str(Path(__file__).parent / f"{name}.py") for name in _PASS_MODULES)
 
 
 class GiftGraphPass(CustomGraphPass):
@@ -41,8 +44,10 @@ class GiftGraphPass(CustomGraphPass):
     def __init__(self, config: GiftConfig, namespace: str, linears: tuple[str, ...], selected: frozenset[str]) -> None:
         self.config, self.namespace, self.linears, self.selected = config, namespace, linears, selected
         self.saw_backward_without_collectives = False
+        self.calls = 0  # graphs this pass rewrote in this process (0 on FX-graph-cache hits)
 
     def __call__(self, graph: fx.Graph) -> None:
+        self.calls += 1
         is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
         if is_backward and not find_gradient_collectives(graph):
             self.saw_backward_without_collectives = True
@@ -55,7 +60,7 @@ class GiftGraphPass(CustomGraphPass):
         gift_collectives_pass(graph, self.config, self.namespace, self.selected)
 
     def uuid(self) -> bytes:
-        digest = hashlib.sha256(get_hash_for_files(_PACKAGE_FILES))
+        digest = hashlib.sha256(get_hash_for_files(_PASS_FILES))
         digest.update(repr((self.config, self.namespace, self.linears, sorted(self.selected))).encode())
         return digest.hexdigest().encode()
 

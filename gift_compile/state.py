@@ -68,6 +68,7 @@ class GiftLayerState(nn.Module):
             for name, tensor in identity_whitening(self.kind, dim, config.rank).tensors.items():
                 self.register_buffer(f"{side}_{name}", tensor)
         self.register_buffer("residual", torch.zeros(d_out, d_in) if config.error_feedback else None)
+        self.register_buffer("shape", torch.tensor([d_out, d_in]))  # lets a checkpoint rebuild the layer
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64))
 
@@ -183,6 +184,15 @@ class GiftState(nn.Module):
         if d_out is not None and (state.d_out, state.d_in) != (d_out, d_in):
             raise ValueError(f"GIFT layer {fqn!r} was created for ({state.d_out}, {state.d_in}) gradients, got ({d_out}, {d_in})")
         return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Create the layers a checkpoint holds (their shapes are saved with them), then load."""
+        for name, value in state_dict.items():
+            parts = name.split(".")
+            if len(parts) == 3 and parts[0] == "layers" and parts[2] == "shape":
+                d_out, d_in = (int(v) for v in value.tolist())
+                self.layer(parts[1].replace("/", "."), d_out, d_in)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def fqns(self) -> list[str]:
         return [layer.fqn for layer in self.layers.values()]
