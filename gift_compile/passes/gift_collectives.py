@@ -140,7 +140,7 @@ def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, s
         if found.fqn in selected:
             _replace(graph, found, _gift_replacement(found, config, namespace), [found.collective.args[0], found.mm.args[1], found.mm.args[0]])
         elif config.euclidean_dtype != "fp32":
-            _replace(graph, found, _euclidean_replacement(found, config, namespace), [found.collective.args[0]])
+            rewrite_euclidean(graph, found, config, namespace)
         else:
             continue
         rewritten.append(found)
@@ -160,7 +160,13 @@ def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]
     graph.erase_node(found.collective)
 
 
-def _world(found: GradientCollective) -> int:
+def rewrite_euclidean(graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str) -> None:
+    """Replace one gradient collective by the Euclidean ``config.euclidean_dtype`` path, counted
+    under ``found.fqn`` (also used by integrations for non-Linear 2-D gradients)."""
+    _replace(graph, found, _euclidean_replacement(found, config, namespace), [found.collective.args[0]])
+
+
+def world_size(found: GradientCollective) -> int:
     return torch.distributed.get_world_size(_resolve_process_group(found.group_name))
 
 
@@ -170,7 +176,7 @@ def _gift_replacement(found: GradientCollective, config: GiftConfig, namespace: 
     sides = SIDES[config.side]
     kind = whitening_kind(config.factorization, config.rank, config.side == "diag")
     wire = WireFormat.gift(config)
-    nbytes = bytes_sent((d_out, d_in), _world(found), wire, found.kind)
+    nbytes = bytes_sent((d_out, d_in), world_size(found), wire, found.kind)
     fqn = found.fqn
 
     def replacement(grad, layer_input, grad_output_t):
@@ -188,7 +194,7 @@ def _gift_replacement(found: GradientCollective, config: GiftConfig, namespace: 
 def _euclidean_replacement(found: GradientCollective, config: GiftConfig, namespace: str):
     wire = WireFormat.euclidean(config)
     shape = tuple(found.collective.args[0].meta["val"].shape)
-    nbytes = bytes_sent(shape, _world(found), wire, found.kind)
+    nbytes = bytes_sent(shape, world_size(found), wire, found.kind)
     group = _resolve_process_group(found.group_name)
 
     def replacement(grad):

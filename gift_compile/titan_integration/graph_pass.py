@@ -105,7 +105,7 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         )
     for g in found:
         shape = tuple(g.collective.args[0].meta["val"].shape)
-        accounting.fp32_bytes += bytes_sent(shape, gc._world(g), WireFormat("fp32"), g.kind)
+        accounting.fp32_bytes += bytes_sent(shape, gc.world_size(g), WireFormat("fp32"), g.kind)
         if g.fqn is not None:
             accounting.numel[g.fqn] = int(torch.Size(shape).numel())
 
@@ -122,11 +122,11 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         if val.dim() == 2 and g.mm is None and ctx.embedding_dtype != "fp32":
             name = g.fqn or _origin_name(g)
             g = dataclasses.replace(g, fqn=name)
-            gc._replace(graph, g, gc._euclidean_replacement(g, embedding_config, namespace), [g.collective.args[0]])
+            gc.rewrite_euclidean(graph, g, embedding_config, namespace)
             accounting.rewritten_euclidean.append(name)
             accounting.numel[name] = int(val.numel())
             continue
-        accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc._world(g), _dense_wire(val.dtype), g.kind)
+        accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.kind)
 
     graph.lint()
     gm.recompile()
