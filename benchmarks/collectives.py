@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 
 import torch
 from tabulate import tabulate
 
+from common import median_seconds
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.comm import euclidean_reduce, gift_reduce
 from gift_compile.config import GiftConfig
@@ -27,16 +27,6 @@ from gift_compile.launch import run_on_ranks
 from gift_compile.state import GiftLayerState
 
 WIRES = {"fp32": WireFormat("fp32"), "bf16": WireFormat("bf16"), "fp8 euclidean": WireFormat("fp8")}
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up (and compilation)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def gift_layer(shape, rank: int) -> GiftLayerState:
