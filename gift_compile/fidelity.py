@@ -56,6 +56,8 @@ class Method:
     """Low-rank A (top eigenpairs + isotropic rest); ``None`` = full."""
     diagonal: bool = False
     """Use ``diag(A)`` only (the paper's ablation)."""
+    damping: float = 1e-3
+    """``A + damping * mean_eigenvalue * I`` before factorizing (``GiftConfig.damping``)."""
 
     @property
     def sides(self) -> tuple[str, ...]:
@@ -70,9 +72,13 @@ def build_transform(
     input_moment: torch.Tensor | None,
     output_moment: torch.Tensor | None = None,
     *,
-    damping: float = 1e-3,
+    damping: float | None = None,
 ) -> dict[str, Whitening]:
-    """Factorize the moments a method needs; ``{}`` for the Euclidean method."""
+    """Factorize the moments a method needs; ``{}`` for the Euclidean method.
+
+    ``damping`` overrides ``method.damping``.
+    """
+    damping = method.damping if damping is None else damping
     moments = {"input": input_moment, "output": output_moment}
     transform = {}
     for side in method.sides:
