@@ -5,7 +5,7 @@ from gift_compile.config import GiftConfig
 
 def test_defaults_are_valid_and_frozen():
     config = GiftConfig()
-    assert config.side == "input" and config.rank == 32 and config.refresh_interval == 50
+    assert config.side == "input" and config.rank == 32 and config.refresh_interval == 10 and config.damping == 0.1
     with pytest.raises(Exception):
         config.rank = 4  # frozen
 

@@ -21,57 +21,58 @@ INTEGRATION_FIELDS = ("embedding_dtype", "layers_file")
 
 @dataclass(kw_only=True, slots=True)
 class GiftSection:
+    # Defaults are GiftConfig's (one source of truth), except enabled and the list form of layers.
     enabled: bool = False
     """Send gradients through GIFT / FP8 (graph_trainer route). Off: torchtitan runs unchanged."""
 
-    fp8_format: Literal["e4m3", "e5m2"] = "e4m3"
+    fp8_format: Literal["e4m3", "e5m2"] = GiftConfig.fp8_format
     """FP8 format on the wire: e4m3 (3 mantissa bits, max 448) or e5m2 (2 bits, max 57344)."""
 
-    scaling: Literal["tensor", "row_block"] = "tensor"
+    scaling: Literal["tensor", "row_block"] = GiftConfig.scaling
     """tensor: one fp32 scale per tensor (the paper); row_block: one per scale_block_rows rows."""
 
-    scale_block_rows: int = 128
+    scale_block_rows: int = GiftConfig.scale_block_rows
     """Rows per scale when scaling = row_block."""
 
-    side: Literal["input", "output", "both", "diag", "none"] = "input"
+    side: Literal["input", "output", "both", "diag", "none"] = GiftConfig.side
     """K-FAC side that whitens: input (G T_A, the paper's choice; commutes with FSDP's dim-0
     reduce-scatter), output, both, diag (ablation) or none (Euclidean FP8 + error feedback)."""
 
-    factorization: Literal["symmetric", "cholesky"] = "symmetric"
+    factorization: Literal["symmetric", "cholesky"] = GiftConfig.factorization
     """T ~ A^-1/2 built as symmetric A^-1/2 (ZCA) or Cholesky L_A^-T."""
 
-    rank: int | None = 32
+    rank: int | None = GiftConfig.rank
     """Rank of the low-rank approximation of A; None uses the full matrix."""
 
-    refresh_interval: int = 50
-    """K: factors are recomputed every K steps."""
+    refresh_interval: int = GiftConfig.refresh_interval
+    """K: factors are recomputed every K steps (paper: 50)."""
 
-    damping: float = 1e-3
+    damping: float = GiftConfig.damping
     """damping * mean_eigenvalue(A) * I is added to A before factorizing."""
 
-    ema_decay: float = 0.5
+    ema_decay: float = GiftConfig.ema_decay
     """Weight of the previous A at a refresh (0 = forget)."""
 
-    stats_max_tokens: int | None = 8192
+    stats_max_tokens: int | None = GiftConfig.stats_max_tokens
     """Tokens per rank used to estimate A at a refresh; None uses all."""
 
-    error_feedback: bool = True
+    error_feedback: bool = GiftConfig.error_feedback
     """Keep the quantization error in whitened coordinates and add it back next step."""
 
-    layers: list[str] = field(default_factory=lambda: ["w2"])
-    """Linear layers sent whitened: fnmatch patterns on trailing FQN components (w2,
-    layers.[0-3].*.w2), or auto (profile FP8 boundary hits first, paper Figure 3)."""
+    layers: list[str] = field(default_factory=lambda: list(GiftConfig.layers))
+    """Linear layers sent whitened: fnmatch patterns on trailing FQN components (default: the
+    attention projections; w2, layers.[0-3].*.w2), or auto (profile FP8 boundary hits first, paper Figure 3)."""
 
-    euclidean_dtype: Literal["fp8", "bf16", "fp32"] = "fp8"
+    euclidean_dtype: Literal["fp8", "bf16", "fp32"] = GiftConfig.euclidean_dtype
     """Wire dtype of the Linear weight gradients that are not whitened."""
 
-    scale_mode: Literal["per_rank", "global_max"] = "per_rank"
+    scale_mode: Literal["per_rank", "global_max"] = GiftConfig.scale_mode
     """per_rank: each sender's own scale travels with its payload; global_max: one shared scale."""
 
-    auto_profile_steps: int = 100
+    auto_profile_steps: int = GiftConfig.auto_profile_steps
     """layers = auto: steps of Euclidean FP8 profiling before the layers are chosen."""
 
-    auto_max_layers: int | None = None
+    auto_max_layers: int | None = GiftConfig.auto_max_layers
     """layers = auto: keep at most this many (None: cut at the largest drop in hit rate)."""
 
     embedding_dtype: Literal["fp8", "bf16", "fp32"] = "fp8"
