@@ -103,9 +103,9 @@ class Settings:
 
 
 FULL = Settings(
-    dim=256, n_layers=3, n_heads=8, seq_len=256, train_seqs=4, micro_seqs=8, steps=150,
+    dim=256, n_layers=3, n_heads=8, seq_len=256, train_seqs=4, micro_seqs=8, steps=250,
     checkpoints={"early": 20, "middle": 80, "late": 150}, token_counts=(2048, 8192, 32768),
-    stale_refresh=50, stale_lags=(0, 10, 25, 50, 100),
+    stale_refresh=50, stale_lags=(0, 10, 25, 50, 100, 200),
 )
 QUICK = Settings(
     dim=128, n_layers=2, n_heads=4, seq_len=128, train_seqs=8, micro_seqs=16, steps=120,

@@ -68,9 +68,10 @@ class GiftConfig:
     error_feedback: bool = True
     """Keep the quantization error of whitened gradients and add it back next step."""
 
-    layers: tuple[str, ...] | Literal["auto"] = ("wq", "wk", "wv", "wo")
-    """Linear layers sent in whitened coordinates (default: the attention projections, which
-    gained most in our fidelity measurements; the paper picks ``w2``). Each pattern is matched with ``fnmatch``
+    layers: tuple[str, ...] | Literal["auto"] = ("w[qkvo]*",)
+    """Linear layers sent in whitened coordinates (default: the attention projections ``wq``,
+    ``wk``, ``wv``, ``wo`` or a fused ``wqkv``, which gained most in our fidelity measurements;
+    the paper picks ``w2``). Each pattern is matched with ``fnmatch``
     component by component against the trailing components of the dotted FQN, so ``"w2"``
     selects ``layers.3.feed_forward.w2`` and ``"layers.[0-3].*.w2"`` the first four.
     ``"auto"`` profiles FP8 boundary hits first (torchtitan integration)."""
