@@ -9,7 +9,9 @@ SimpleFSDP, seed 0) trained on WikiText-2 test.txt and validated on valid.txt
 - fp32:  [gift] enabled with every path fp32 (the pass changes nothing, it only counts bytes)
 - bf16:  every weight gradient reduced in bf16
 - fp8:   Euclidean FP8 (per-tensor scale) for every weight gradient, no whitening
-- gift:  GIFT: `w2` layers whitened (rank 32, refresh every 50 steps), the rest Euclidean FP8
+- gift:  GIFT with the defaults: attention projections (`wqkv`, `wo`) whitened (rank 32,
+         refresh every 10 steps), the rest Euclidean FP8
+- gift_w2: GIFT with the paper's choice, the `w2` layers whitened
 
 Prints a table (final train loss = mean of the last 10 steps, validation loss / perplexity at
 the end, tokens/s, gradient bytes per step per rank, peak RSS of rank 0) and writes
@@ -39,7 +41,8 @@ VARIANTS = {
     "fp32": ["--gift.layers", "", "--gift.euclidean_dtype", "fp32", "--gift.embedding_dtype", "fp32"],
     "bf16": ["--gift.layers", "", "--gift.euclidean_dtype", "bf16", "--gift.embedding_dtype", "bf16"],
     "fp8": ["--gift.layers", "", "--gift.euclidean_dtype", "fp8", "--gift.embedding_dtype", "fp8"],
-    "gift": ["--gift.layers", "w2"],
+    "gift": ["--gift.layers", "wqkv,wo"],
+    "gift_w2": ["--gift.layers", "w2"],
 }
 
 
