@@ -285,3 +285,20 @@ def test_graph_without_collectives_warns_once_and_trains_correctly(caplog):
     expected(x).sum().backward()
     for got, want in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_gift_backend_is_registered_by_name():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from gift_compile.backend import default_gift_backend
+
+    assert lookup_backend("gift") is default_gift_backend
+
+
+@pytest.mark.parametrize("config", [GiftConfig(rank=4), GiftConfig(rank=None), GiftConfig(side="diag"), GiftConfig(side="both", factorization="cholesky", rank=3)])
+def test_fake_factor_shapes_match_the_real_state(config):
+    # The compiled graph is traced against factor_shapes; at run time it gets the real tensors.
+    from gift_compile.state import GiftLayerState, factor_shapes
+
+    layer = GiftLayerState("fc", 6, 10, config)
+    assert factor_shapes(config, 6, 10) == [tuple(t.shape) for t in layer.factor_tensors()]
