@@ -1,0 +1,1 @@
+"""FX passes: one per file, each docstring draws the graph before and after."""
