@@ -1,4 +1,4 @@
-"""GIFT in torchtitan 0.3.0 (graph_trainer route); see README_SECTION.md.
+"""GIFT in torchtitan 0.3.0 (graph_trainer route); see the torchtitan section of README.md.
 
 Nothing is imported or patched here: importing ``gift_compile`` never touches torchtitan.
 
