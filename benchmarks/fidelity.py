@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import math
 import sys
 import time
 from collections import defaultdict
@@ -403,6 +402,12 @@ def tokens_label(n: int) -> str:
     return f"{n / 1024:.0f}k" if n >= 1024 else str(n)
 
 
+
+def plot_curve(ax, xs, ys, style: str, label: str) -> None:
+    """One curve, skipped when every point is missing (NaN: the method was not measured)."""
+    if not all(y != y for y in ys):
+        ax.plot(xs, ys, style, marker="o", label=label)
+
 def headline_table(run: Run, phase: str) -> tuple[list[str], list[list]]:
     rows = [r for r in run.rows if r["phase"] == phase]
     tokens = sorted({r["tokens"] for r in rows})
@@ -575,10 +580,10 @@ def plots(run: Run, sel: dict, out: Path) -> list[str]:
         tokens = sorted({r["tokens"] for r in rows})
         for method in HEADLINE + ("input-diag",):
             for a, style in (("same", "-"), ("heldout", "--")):
-                ys = [mean_metric(rows, method=method, a=a, tokens=t) for t in tokens]
-                if all(y != y for y in ys) or (method == "euclidean" and a == "heldout"):
+                if method == "euclidean" and a == "heldout":
                     continue
-                ax.plot(tokens, ys, style, marker="o", label=f"{method}" + (" (held-out A)" if a == "heldout" else ""))
+                ys = [mean_metric(rows, method=method, a=a, tokens=t) for t in tokens]
+                plot_curve(ax, tokens, ys, style, f"{method}" + (" (held-out A)" if a == "heldout" else ""))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank behind the gradient")
         ax.set_ylabel("RelL2 (mean over layers)")
@@ -595,9 +600,7 @@ def plots(run: Run, sel: dict, out: Path) -> list[str]:
         for method in STALE_METHODS:
             for a, style in (("stale", "-"), ("fresh", ":")):
                 ys = [mean_metric(run.stale_rows, lag=l, method=method.name, a=a, fmt=fmt) for l in s.stale_lags]
-                if all(y != y for y in ys):
-                    continue
-                ax.plot(s.stale_lags, ys, style, marker="o", label=f"{method.name} ({a} A)")
+                plot_curve(ax, s.stale_lags, ys, style, f"{method.name} ({a} A)")
         ax.axvline(50, color="grey", lw=0.5)
         ax.set_xlabel("steps since the factors were refreshed")
         ax.set_ylabel("RelL2 (mean over layers)")

@@ -115,10 +115,14 @@ def _chunked(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     pad_rows = lay.world * lay.shard_rows - lay.rows
     if pad_rows:
         flat = torch.cat([flat, flat.new_zeros(pad_rows, lay.cols)])
-    chunks = flat.reshape(lay.world, lay.shard_rows, lay.cols)
+    return _pad_to_scale_blocks(flat.reshape(lay.world, lay.shard_rows, lay.cols), lay)
+
+
+def _pad_to_scale_blocks(chunks: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """Zero rows so each ``(n, shard_rows, cols)`` chunk holds whole scale blocks."""
     pad_inner = lay.padded_shard_rows - lay.shard_rows
     if pad_inner:
-        chunks = torch.cat([chunks, chunks.new_zeros(lay.world, pad_inner, lay.cols)], dim=1)
+        chunks = torch.cat([chunks, chunks.new_zeros(chunks.shape[0], pad_inner, lay.cols)], dim=1)
     return chunks
 
 
@@ -199,10 +203,7 @@ def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> t
     group = resolve_group(group)
     world = _world(group)
     lay = layout((rows, *shard.shape[1:]), world, wire)
-    chunk = shard.reshape(1, lay.shard_rows, lay.cols).float()
-    pad_inner = lay.padded_shard_rows - lay.shard_rows
-    if pad_inner:
-        chunk = torch.cat([chunk, chunk.new_zeros(1, pad_inner, lay.cols)], dim=1)
+    chunk = _pad_to_scale_blocks(shard.reshape(1, lay.shard_rows, lay.cols).float(), lay)
     payload, scales = _encode(chunk, lay, wire, group)
     gathered = waited(funcol.all_gather_single(_pack(payload, scales), 0, group))
     decoded = _decode(*_unpack(gathered.reshape(world, -1), lay), lay, wire)

@@ -120,11 +120,6 @@ class GiftConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftConfig.{name}={getattr(self, name)!r} is invalid; it must be true or false")
 
-    @property
-    def whitens(self) -> bool:
-        """True when selected layers change coordinates before quantization."""
-        return self.side != "none"
-
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]

@@ -87,15 +87,6 @@ class Whitening:
         return self.tensors[FACTOR_NAMES[self.kind][0]].shape[0]
 
 
-def apply_whitening(kind: str, tensors: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool, side: str = "input") -> torch.Tensor:
-    """``G T`` (input side) or ``T^T G`` (output side), or their inverses."""
-    if side == "input":
-        return _apply(kind, tensors, g, inverse=inverse)
-    if side == "output":
-        return _apply(kind, tensors, g.T, inverse=inverse).T
-    raise ValueError(f"side must be 'input' or 'output', got {side!r}")
-
-
 def _apply(kind: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool) -> torch.Tensor:
     if g.dim() != 2:
         raise ValueError(f"whitening needs a 2-D (d_out, d_in) gradient, got shape {tuple(g.shape)}")

@@ -151,7 +151,7 @@ class GiftLayerState(nn.Module):
 
 def whiten(g: torch.Tensor, whitenings: dict[str, Whitening], sides: tuple[str, ...]) -> torch.Tensor:
     """``T_B^T G T_A`` restricted to ``sides`` (input side acts on rows, output side on columns)."""
-    if "input" in whitenings and "input" in sides:
+    if "input" in sides:
         g = whitenings["input"].whiten(g)
     if "output" in sides:
         g = whitenings["output"].whiten(g.T).T

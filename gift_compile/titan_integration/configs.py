@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-import torch
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import resource
 import time
 from pathlib import Path
