@@ -3,9 +3,11 @@
     compiled = torch.compile(model, backend=gift_backend(GiftConfig(layers=("fc2",))))
 
 For each graph Dynamo hands over, the backend reads which ``nn.Linear`` layers it contains
-(from ``nn_module_stack``), checks the config's layer patterns against them (a pattern that
-matches nothing is an error listing the Linear FQNs), and compiles with Inductor, with the
-GIFT pass installed as ``post_grad_custom_pre_pass`` (before Inductor's own DDP bucketing).
+(from ``nn_module_stack``; in compiled-autograd graphs, from the parameters they accumulate
+into, see passes/compiled_autograd.py), checks the config's layer patterns against them (a
+pattern that matches nothing is an error listing the Linear FQNs), and compiles with
+Inductor, with the GIFT pass installed as ``post_grad_custom_pre_pass`` (before Inductor's own
+DDP bucketing).
 
 The pass object is a ``CustomGraphPass`` whose ``uuid()`` covers the config, the namespace,
 the graph's Linear FQNs and the source of this package, so Inductor's FX graph cache stays
@@ -23,8 +25,10 @@ import torch
 from torch import fx
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gift_compile.config import GiftConfig
+from gift_compile.passes.compiled_autograd import LinearWeight, output_fqns, remember_linear_weights, tag_outputs
 from gift_compile.passes.gift_collectives import find_gradient_collectives, gift_collectives_pass
 from gift_compile.passes.graph_utils import is_linear_type, module_fqn
 from gift_compile.runtime import GiftRuntime, register_runtime
@@ -34,20 +38,33 @@ log = logging.getLogger(__name__)
 
 # The modules whose code ends up in (or drives) a rewritten graph: a change to any of them
 # must invalidate cached graphs; changes elsewhere in the package must not.
-_PASS_MODULES = ("config", "numerics", "geometry", "collectives", "comm", "state", "runtime", "passes/gift_collectives", "passes/graph_utils")
+_PASS_MODULES = (
+    "config", "numerics", "geometry", "collectives", "comm", "state", "runtime",
+    "passes/gift_collectives", "passes/graph_utils", "passes/compiled_autograd",
+)
 _PASS_FILES = tuple(str(Path(__file__).parent / f"{name}.py") for name in _PASS_MODULES)
 
 
 class GiftGraphPass(CustomGraphPass):
     """The GIFT pass as Inductor sees it: callable on a graph, with a cache-safe ``uuid``."""
 
-    def __init__(self, config: GiftConfig, namespace: str, linears: tuple[str, ...], selected: frozenset[str]) -> None:
+    def __init__(
+        self,
+        config: GiftConfig,
+        namespace: str,
+        linears: tuple[str, ...],
+        selected: frozenset[str],
+        output_weights: tuple[LinearWeight | None, ...] | None = None,
+    ) -> None:
         self.config, self.namespace, self.linears, self.selected = config, namespace, linears, selected
+        self.output_weights = output_weights  # compiled-autograd graphs: the Linear weight behind each output
         self.saw_backward_without_collectives = False
         self.calls = 0  # graphs this pass rewrote in this process (0 on FX-graph-cache hits)
 
     def __call__(self, graph: fx.Graph) -> None:
         self.calls += 1
+        if self.output_weights is not None:
+            tag_outputs(graph, self.output_weights)
         is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
         if is_backward and not find_gradient_collectives(graph):
             self.saw_backward_without_collectives = True
@@ -61,7 +78,7 @@ class GiftGraphPass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         digest = hashlib.sha256(get_hash_for_files(_PASS_FILES))
-        digest.update(repr((self.config, self.namespace, self.linears, sorted(self.selected))).encode())
+        digest.update(repr((self.config, self.namespace, self.linears, sorted(self.selected), self.output_weights)).encode())
         return digest.hexdigest().encode()
 
 
@@ -74,6 +91,8 @@ class GiftBackend:
         self.config, self.name = config, name
         self.runtime: GiftRuntime = register_runtime(name, config)
         self.passes: list[GiftGraphPass] = []
+        # Linear weight -> FQN, from forward graphs: compiled-autograd graphs name only parameters.
+        self.linear_weights = WeakIdKeyDictionary()
 
     @property
     def state(self) -> torch.nn.Module:
@@ -83,8 +102,12 @@ class GiftBackend:
         if not self.config.enabled:
             return compile_fx(gm, example_inputs)
         linears = linear_layers(gm)
+        remember_linear_weights(gm, linears, self.linear_weights)
+        output_weights = output_fqns(gm, self.linear_weights)
+        if output_weights is not None:
+            linears = [w.fqn for w in output_weights if w is not None]
         selected = frozenset(select_layers(linears, self.config.layers)) if linears else frozenset()
-        graph_pass = GiftGraphPass(self.config, self.name, tuple(linears), selected)
+        graph_pass = GiftGraphPass(self.config, self.name, tuple(linears), selected, output_weights)
         self.passes.append(graph_pass)
         return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": graph_pass})
 

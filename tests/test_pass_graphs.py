@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gift_compile import GiftConfig, gift_backend, replicate
 from gift_compile.passes.gift_collectives import gift_collectives_pass
+from gift_compile.passes.graph_utils import module_fqn
 from gift_compile.runtime import register_runtime
 from models import MLP, LlamaBlock
 
@@ -304,3 +305,16 @@ def test_fake_factor_shapes_match_the_real_state(config):
 
     layer = GiftLayerState("fc", 6, 10, config)
     assert factor_shapes(config, 6, 10) == [tuple(t.shape) for t in layer.factor_tensors()]
+
+
+@pytest.mark.parametrize(
+    "dynamo_path, fqn",
+    [
+        ("L['self'].layers[0].feed_forward.w2", "layers.0.feed_forward.w2"),  # nn_module_stack style
+        ("L['self']._modules['fc1']", "fc1"),  # placeholder source style
+        ("L['self']._modules['module']._modules['fc1']", "module.fc1"),  # DDP's wrapped module
+        ("L['self'].fc2.parametrizations.weight.original", "fc2"),  # replicate()'s parametrization
+    ],
+)
+def test_dynamo_paths_become_model_fqns(dynamo_path, fqn):
+    assert module_fqn(dynamo_path) == fqn

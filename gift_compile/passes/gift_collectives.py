@@ -82,7 +82,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[GradientCollective]:
             waits = [u for u in node.users if u.target is WAIT]
             if len(waits) != 1 or len(node.users) != 1:
                 continue
-            mm = _weight_gradient_mm(kwargs["input"])
+            mm = weight_gradient_mm(kwargs["input"])
             fqn = None
             if mm is not None:
                 origin = innermost_module(mm)
@@ -93,7 +93,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[GradientCollective]:
     return sorted(found, key=lambda g: order[g.collective])
 
 
-def _weight_gradient_mm(node: fx.Node) -> fx.Node | None:
+def weight_gradient_mm(node: fx.Node) -> fx.Node | None:
     """Walk back from a collective's input to an ``mm`` through value-preserving glue."""
     transposed = False
     shape = _shape(node)

@@ -51,7 +51,7 @@ def _add_tensor_meta(node: fx.Node) -> None:
 
 
 _MODULE_PATH_RULES = [
-    (re.compile(r"^L\['[^']*'\]\.?"), ""),  # dynamo's root: L['self'] / L['mod']
+    (re.compile(r"^L\['[^']*'\]"), ""),  # dynamo's root: L['self'] / L['mod']
     (re.compile(r"\._modules\['([^']+)'\]"), r".\1"),
     (re.compile(r"\[(\d+)\]"), r".\1"),
     (re.compile(r"\['([^']+)'\]"), r".\1"),
