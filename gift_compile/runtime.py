@@ -9,12 +9,18 @@ state up here, at run time, on every call::
     token   = gift::begin_step(ns, fqn, group, d_out, d_in, layer_input, grad_output)
               refresh the factors when due (collectives over `group`)
     factors = gift::load_factors(ns, fqn, d_out, d_in, token)   copies of this step's T, T^-1
-    R       = gift::load_residual(ns, fqn, d_out, d_in, token)  copy of the residual
+    R       = gift::load_residual(ns, fqn, d_out, d_in, token)  the residual itself
     ... whiten, quantize, FP8 collective, unwhiten (plain aten ops, fused by Inductor) ...
-    gift::end_step(ns, fqn, token, R', stats, bytes)             keep R', count the step
+    gift::end_step(ns, fqn, token, R', stats, bytes)             keep R' as the state, count the step
 
 The ``token`` data dependency orders the ops; ``end_step`` and ``record_euclidean`` are
 marked side-effecting so dead-code elimination keeps them.
+
+The residual (``d_out x d_in`` fp32 per layer) is never copied: ``load_residual`` hands out
+the state tensor and ``end_step`` adopts the graph's ``R'`` buffer as the new state. That is
+safe because (1) after ``R`` is read the state no longer refers to it once ``end_step`` runs,
+so whatever Inductor reuses that buffer for is harmless, and (2) ``end_step``'s lowering below
+takes ``R'`` out of Inductor's buffer reuse, so nothing later in the graph overwrites it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 from tabulate import tabulate
+from torch._inductor.lowering import fallback_handler, register_lowering
+from torch._inductor.virtualized import V
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from gift_compile.config import GiftConfig
@@ -141,7 +149,7 @@ def _(namespace, fqn, d_out, d_in, token):
 
 @torch.library.custom_op("gift::load_residual", mutates_args=())
 def load_residual(namespace: str, fqn: str, d_out: int, d_in: int, token: torch.Tensor) -> torch.Tensor:
-    return get_runtime(namespace).state.layer(fqn, d_out, d_in).residual.clone()
+    return get_runtime(namespace).state.layer(fqn, d_out, d_in).residual  # not a copy: see the module docstring
 
 
 @load_residual.register_fake
@@ -161,6 +169,18 @@ def end_step(
 @end_step.register_fake
 def _(namespace, fqn, token, new_residual, stats, bytes_sent):
     return None
+
+
+@register_lowering(torch.ops.gift.end_step.default, type_promotion_kind=None)
+def _lower_end_step(namespace, fqn, token, new_residual, stats, bytes_sent):
+    if new_residual is not None:
+        # end_step keeps this buffer as the layer's residual: no later buffer of the graph may
+        # reuse its memory, and no later kernel may write into it in place.
+        new_residual.realize()
+        V.graph.never_reuse_buffers.add(new_residual.get_name())
+    return fallback_handler(torch.ops.gift.end_step.default, add_to_fallback_set=False)(
+        namespace, fqn, token, new_residual, stats, bytes_sent
+    )
 
 
 @torch.library.custom_op("gift::record_euclidean", mutates_args=())

@@ -99,7 +99,13 @@ class GiftLayerState(nn.Module):
     def end_step(self, new_residual: torch.Tensor | None) -> None:
         """After the reduction: keep the new residual and count the step."""
         if self.residual is not None and new_residual is not None:
-            self.residual.copy_(new_residual)
+            if new_residual.shape != self.residual.shape or new_residual.dtype != self.residual.dtype:
+                raise ValueError(f"GIFT layer {self.fqn!r}: new residual {tuple(new_residual.shape)} {new_residual.dtype} "
+                                 f"does not match the state's {tuple(self.residual.shape)} {self.residual.dtype}")
+            if new_residual.is_contiguous() and new_residual.untyped_storage().nbytes() == self.residual.untyped_storage().nbytes():
+                self.residual = new_residual.detach()  # adopt it: a copy is a full pass over d_out x d_in
+            else:
+                self.residual.copy_(new_residual)  # a view into a larger buffer would pin that buffer
         self.step += 1
 
     @torch.no_grad()
