@@ -7,11 +7,22 @@ Four ways to run the gradient's communication, side by side in one pair of proce
 
 The compiled comm-path time is the compiled backward with the collective minus the compiled
 backward of the same model without data parallelism (which computes the same local
-gradient), so only the communication path (codec, whitening, collective) is counted. The
-factor refresh is excluded from the timed steps (it runs once every K steps; see
-benchmarks/collectives.py for its cost). Kernel counts come from Inductor's generated code.
+gradient), so only the communication path (codec, whitening, collective) is counted. All
+variants run once per round, interleaved, and each figure is the median over rounds of the
+per-round difference, so drift in the machine's load hits every variant alike. The factor
+refresh is excluded (it runs once every K steps; see benchmarks/collectives.py for its
+cost). Kernel counts come from Inductor's generated code.
 
-    python benchmarks/pass_overhead.py [--steps 10] [--tokens 256]
+The whole measurement runs twice, under two allocators:
+
+* ``caching``: glibc told to keep freed memory in its heap (``MALLOC_MMAP_MAX_=0``), so a
+  64 MiB buffer freed in one step is reused in the next, as the CUDA caching allocator does
+  on a GPU;
+* ``glibc default``: every buffer above 32 MiB is a fresh ``mmap`` whose pages fault in on
+  first touch, each step; this charges ~25 ms per 64 MiB buffer on this machine to whichever
+  path allocates more of them.
+
+    python benchmarks/pass_overhead.py [--rounds 10] [--tokens 256]
 """
 
 from __future__ import annotations
@@ -19,14 +30,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import tempfile
+import time
 
 import torch
 from tabulate import tabulate
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
-from common import median_seconds
 from gift_compile import GiftConfig, GiftReference, gift_backend, replicate
 from gift_compile.launch import run_on_ranks
 
@@ -34,6 +46,10 @@ DIM = 4096
 PATHS = {
     "fp8 euclidean": GiftConfig(layers=(), rank=32, refresh_interval=10**6),
     "gift rank 32": GiftConfig(layers=("0",), rank=32, refresh_interval=10**6),
+}
+ALLOCATORS = {
+    "caching": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
+    "glibc default": {},
 }
 
 
@@ -46,59 +62,88 @@ def count_kernels(codes: list[str]) -> int:
     return sum(len(re.findall(r"^cpp_fused_\w+ = ", code, flags=re.M)) for code in codes)
 
 
-def measure(rank: int, world: int, steps: int, tokens: int, cache: str):
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure(rank: int, world: int, rounds: int, tokens: int, cache: str):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, f"rank{rank}")
     x = torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(rank))
-    results = {}
 
-    local = model()
-    compiled_local = torch.compile(local, backend="inductor")
-    compiled_local(x).sum().backward()  # compile
-    _, base_code = run_and_get_code(lambda: compiled_local(x).sum().backward())
-    local_backward = median_seconds(lambda: compiled_local(x).sum().backward(), steps, warmup=0)
-
+    compiled = {"local": torch.compile(model(), backend="inductor")}
+    eager = {}
     for name, config in PATHS.items():
         eager_model = model()
-        reference = GiftReference(eager_model, config)
+        eager[name] = GiftReference(eager_model, config)
         eager_model(x).sum().backward()
-        reference.reduce_gradients()  # first step refreshes the factors
+        eager[name].reduce_gradients()  # first step refreshes the factors; later ones reduce .grad in place
+        compiled[name] = torch.compile(replicate(model()), backend=gift_backend(config, name=name))
+    codes = {}
+    for name, fn in compiled.items():
+        fn(x).sum().backward()  # compile (+ refresh at step 0)
+        _, codes[name] = run_and_get_code(lambda: fn(x).sum().backward())
 
-        eager_model.zero_grad()
-        eager_model(x).sum().backward()
-        # Each call reduces the current .grad in place: same shapes, same work, every step.
-        eager_comm_time = median_seconds(reference.reduce_gradients, steps, warmup=0)
-
-        compiled = torch.compile(replicate(model()), backend=gift_backend(config, name=name))
-        compiled(x).sum().backward()  # compile + refresh at step 0
-        _, code = run_and_get_code(lambda: compiled(x).sum().backward())
-        compiled_backward = median_seconds(lambda: compiled(x).sum().backward(), steps, warmup=0)
-        results[name] = {
-            "eager": eager_comm_time,
-            "compiled": max(compiled_backward - local_backward, 1e-6),
-            "kernels": count_kernels(code) - count_kernels(base_code),
-        }
+    # The floor of rank-r whitening on this machine: its four GEMMs alone (G U and P U^T to
+    # whiten, the same two to unwhiten), nothing else.
+    g, basis, projected = torch.randn(DIM, DIM), torch.randn(DIM, 32), torch.randn(DIM, 32)
+    compiled_times = {name: [] for name in PATHS}
+    eager_times = {name: [] for name in PATHS}
+    gemm_times = []
+    for round_ in range(rounds):
+        local = seconds(lambda: compiled["local"](x).sum().backward())
+        for name in PATHS:
+            compiled_times[name].append(seconds(lambda: compiled[name](x).sum().backward()) - local)
+            eager_times[name].append(seconds(eager[name].reduce_gradients))
+        gemm_times.append(2 * seconds(lambda: (g @ basis, projected @ basis.T)))
         if rank == 0:
-            print(f"  measured {name}", flush=True)
+            print(f"  round {round_ + 1}/{rounds}", flush=True)
+    results = {
+        name: {
+            "eager": statistics.median(eager_times[name]),
+            "compiled": max(statistics.median(compiled_times[name]), 1e-6),
+            "kernels": count_kernels(codes[name]) - count_kernels(codes["local"]),
+        }
+        for name in PATHS
+    }
+    results["gift rank 32"]["gemms"] = statistics.median(gemm_times)
     return results
+
+
+def report(allocator: str, results: dict) -> None:
+    rows = [
+        (name, f"{r['eager'] * 1e3:.1f}", f"{r['compiled'] * 1e3:.1f}", f"{r['eager'] / r['compiled']:.1f}x", r["kernels"])
+        for name, r in results.items()
+    ]
+    print(f"\nallocator: {allocator}")
+    print(tabulate(rows, headers=["path", "eager comm ms", "compiled comm ms", "eager / compiled", "fused kernels added"]))
+    gift, fp8 = results["gift rank 32"], results["fp8 euclidean"]
+    print(f"GIFT extra time over Euclidean FP8: eager {gift['eager'] / fp8['eager'] - 1:+.1%}, "
+          f"compiled {gift['compiled'] / fp8['compiled'] - 1:+.1%} (target <= +25%); "
+          f"its four rank-32 GEMMs alone: {gift['gemms'] * 1e3:.1f} ms = {gift['gemms'] / fp8['compiled']:+.1%} of FP8's compiled path")
+    print(f"compiled speed-up over eager: fp8 {fp8['eager'] / fp8['compiled']:.1f}x, "
+          f"gift {gift['eager'] / gift['compiled']:.1f}x (target >= 3x)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per method (median reported)")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (medians reported)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank in the layer's input")
     args = parser.parse_args()
-    print(f"one {DIM}x{DIM} Linear gradient, 2 gloo ranks, {args.steps} timed steps each ...", flush=True)
-    with tempfile.TemporaryDirectory() as cache:
-        results = run_on_ranks(measure, 2, args.steps, args.tokens, cache)[0]
-    rows = []
-    for name, r in results.items():
-        rows.append((name, f"{r['eager'] * 1e3:.1f}", f"{r['compiled'] * 1e3:.1f}", f"{r['eager'] / r['compiled']:.1f}x", r["kernels"]))
-    print()
-    print(tabulate(rows, headers=["path", "eager comm ms", "compiled comm ms", "eager / compiled", "fused kernels added"]))
-    gift, fp8 = results["gift rank 32"], results["fp8 euclidean"]
-    print(f"\nGIFT extra time over Euclidean FP8: eager {gift['eager'] / fp8['eager'] - 1:+.1%}, "
-          f"compiled {gift['compiled'] / fp8['compiled'] - 1:+.1%} (target <= +25%)")
-    print(f"compiled speed-up over eager: fp8 {fp8['eager'] / fp8['compiled']:.1f}x, gift {gift['eager'] / gift['compiled']:.1f}x (target >= 3x)")
+    all_results = {}
+    for allocator, env in ALLOCATORS.items():
+        print(f"one {DIM}x{DIM} Linear gradient, 2 gloo ranks, {args.rounds} rounds, allocator: {allocator} ...", flush=True)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # read by glibc when the rank processes start
+        try:
+            with tempfile.TemporaryDirectory() as cache:
+                all_results[allocator] = run_on_ranks(measure, 2, args.rounds, args.tokens, cache)[0]
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    for allocator, results in all_results.items():
+        report(allocator, results)
 
 
 if __name__ == "__main__":
