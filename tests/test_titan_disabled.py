@@ -8,6 +8,7 @@ and retraces with them whitened. About 1.5 minutes on 2 shared cores.
 
 from __future__ import annotations
 
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -32,11 +33,17 @@ def test_disabled_gift_leaves_the_graph_unchanged(tmp_path):
     assert "gift_joint_graph_pass" not in off.log
 
 
-def test_auto_profiles_then_whitens_the_chosen_layers(tmp_path):
-    run = run_job(
-        JOB, tmp_path / "auto", "--training.steps", "4", "--metrics.log_freq", "1",
-        "--gift.layers", "auto", "--gift.auto_profile_steps", "2",
-    ).check()
+CHECKPOINT = ["--metrics.log_freq", "1", "--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.no-last-save-model-only"]
+AUTO = [*CHECKPOINT, "--gift.layers", "auto", "--gift.auto_profile_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    return run_job(JOB, tmp_path_factory.mktemp("auto") / "run", "--training.steps", "4", *AUTO).check()
+
+
+def test_auto_profiles_then_whitens_the_chosen_layers(auto_run):
+    run = auto_run
     chosen = tomllib.loads((run.dump_folder / "gift_layers.toml").read_text())["gift"]["layers"]
     assert chosen, run.log[-3000:]
     counters = run.counters(0)
@@ -46,3 +53,19 @@ def test_auto_profiles_then_whitens_the_chosen_layers(tmp_path):
     assert run.series("gift/profiling") == {1: 1, 2: 1, 3: 0, 4: 0}
     ops = run.graph_ops()
     assert ops.get("gift.begin_step.default", 0) == 0  # the op counts are the first (profiling) graph's
+
+
+def test_resuming_an_auto_run_needs_its_chosen_layers(auto_run, tmp_path):
+    """The step-3 checkpoint holds GIFT state for the layers chosen at step 3. Resuming with
+    layers = "auto" again would profile nothing (step 3 is past profiling) and run without that
+    state: it must fail and say how to resume; resuming with the written layers must work."""
+    chosen = tomllib.loads((auto_run.dump_folder / "gift_layers.toml").read_text())["gift"]["layers"]
+    for name in ("again_auto", "explicit"):
+        shutil.copytree(auto_run.dump_folder / "checkpoint" / "step-3", tmp_path / name / "checkpoint" / "step-3")
+    resume = ["--training.steps", "4", "--checkpoint.load_step", "3"]
+    again = run_job(JOB, tmp_path / "again_auto", *resume, *AUTO)
+    assert again.returncode != 0
+    assert "checkpoint holds state for the whitened layers" in again.log and "layers_file" in again.log
+    explicit = run_job(JOB, tmp_path / "explicit", *resume, *CHECKPOINT, "--gift.layers", ",".join(chosen)).check()
+    assert explicit.series("loss").keys() == {4}
+    assert explicit.series("loss")[4] == pytest.approx(auto_run.series("loss")[4], rel=1e-4)

@@ -6,7 +6,10 @@ on every rank but error-feedback residuals are not, and DCP keeps one copy of a 
 saved under the same key on several ranks, so every key carries the rank
 (``rank{r}/<layer>/<buffer>``). Resuming therefore needs the same data-parallel world size.
 Layer states must exist before a load (DCP loads into the tensors ``state_dict()`` returns):
-the session creates the selected layers' states when the trainer is built.
+the session creates the selected layers' states when the trainer is built. The checkpoint
+also records which layers it holds state for, so a resume that whitens other layers (notably
+``layers = "auto"``, which chooses only after profiling) fails with a clear error instead of
+silently running without the saved state.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from gift_compile.runtime import GiftRuntime
 
 KEY = "gift"
+SELECTED = "selected_layers"
 
 
 class GiftCheckpointState(Stateful):
@@ -30,11 +34,24 @@ class GiftCheckpointState(Stateful):
         return f"rank{dist.get_rank() if dist.is_initialized() else 0}/"
 
     def state_dict(self) -> dict[str, Any]:
-        return {self.prefix + k: v for k, v in self.runtime.state.state_dict().items()}
+        state = {self.prefix + k: v for k, v in self.runtime.state.state_dict().items()}
+        state[self.prefix + SELECTED] = ",".join(self.selected())
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         own = {k[len(self.prefix):]: v for k, v in state_dict.items() if k.startswith(self.prefix)}
+        saved = [fqn for fqn in own.pop(SELECTED).split(",") if fqn]
+        if saved != self.selected():
+            raise ValueError(
+                f"GIFT: the checkpoint holds state for the whitened layers {saved}, but this run whitens "
+                f"{self.selected()}. Resume with the same [gift] layers; a layers = \"auto\" run chooses its "
+                "layers only after profiling and writes them to [gift] layers_file in its dump folder: pass that "
+                "list back in as layers."
+            )
         self.runtime.state.load_state_dict(own, strict=True)
+
+    def selected(self) -> list[str]:
+        return sorted(self.runtime.state.fqns())
 
 
 __all__ = ["KEY", "GiftCheckpointState"]
