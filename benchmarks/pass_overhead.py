@@ -141,7 +141,10 @@ def main() -> None:
                 all_results[allocator] = run_on_ranks(measure, 2, args.rounds, args.tokens, cache)[0]
         finally:
             for key, value in saved.items():
-                os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
     for allocator, results in all_results.items():
         report(allocator, results)
 

@@ -1,8 +1,9 @@
 """``replicate(model)``: data parallelism whose gradient all-reduces live in the traced backward.
 
 DDP (unless it runs its compiled-autograd reducer, see the README) and FSDP2 reduce
-gradients from hooks outside any compiled graph, where no compiler pass can reach them. Here every parameter is read through a parametrization whose autograd
-function is the identity forward and a functional ``all_reduce(grad, "avg")`` backward, so
+gradients from hooks outside any compiled graph, where no compiler pass can reach them.
+Here every parameter is read through a parametrization whose autograd function is the
+identity forward and a functional ``all_reduce(grad, "avg")`` backward, so
 ``torch.compile`` traces one collective per parameter into the backward graph, right after
 the op that produced the gradient, which is where the GIFT pass finds it.
 

@@ -46,8 +46,9 @@ def remember_linear_weights(gm: fx.GraphModule, linears: list[str], weights: Wea
     for node in gm.graph.find_nodes(op="placeholder"):
         grapharg = node.meta.get("grapharg")
         match = _WEIGHT_SOURCE.match(grapharg.source.name) if grapharg is not None else None
-        if match and isinstance(grapharg.example, torch.nn.Parameter) and module_fqn(match["module"]) in linears:
-            weights[grapharg.example] = module_fqn(match["module"])
+        fqn = module_fqn(match["module"]) if match else None
+        if fqn in linears and isinstance(grapharg.example, torch.nn.Parameter):
+            weights[grapharg.example] = fqn
 
 
 def output_fqns(gm: fx.GraphModule, weights: WeakIdKeyDictionary) -> tuple[LinearWeight | None, ...] | None:
