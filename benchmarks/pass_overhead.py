@@ -1,4 +1,4 @@
-"""What the GIFT pass costs: one 4096 x 4096 Linear weight gradient on 2 gloo ranks.
+"""What the GIFT pass costs: one 4096 x 4096 Linear weight gradient on 2 gloo ranks (or GPUs).
 
 Four ways to run the gradient's communication, side by side in one pair of processes:
 
@@ -8,8 +8,8 @@ Four ways to run the gradient's communication, side by side in one pair of proce
 The compiled comm-path time is the compiled backward with the collective minus the compiled
 backward of the same model without data parallelism (which computes the same local
 gradient), so only the communication path (codec, whitening, collective) is counted. All
-variants run once per round, interleaved, and each figure is the median over rounds of the
-per-round difference, so drift in the machine's load hits every variant alike. The factor
+variants run once per round, interleaved (after one uncounted warm-up round), and each figure
+is the median over rounds of the per-round difference, so drift in the machine's load hits every variant alike. The factor
 refresh is excluded (it runs once every K steps; see benchmarks/collectives.py for its
 cost). Kernel counts come from Inductor's generated code.
 
@@ -22,7 +22,11 @@ The whole measurement runs twice, under two allocators:
   first touch, each step; this charges ~25 ms per 64 MiB buffer on this machine to whichever
   path allocates more of them.
 
-    python benchmarks/pass_overhead.py [--rounds 10] [--tokens 256]
+With ``--device cuda`` it runs once (the CUDA caching allocator), with NCCL on
+``min(2, GPUs)`` ranks; on one GPU the collective is a local copy and only the transforms
+and codec are timed, which is the overhead question itself.
+
+    python benchmarks/pass_overhead.py [--rounds 10] [--tokens 256] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -53,33 +57,41 @@ ALLOCATORS = {
 }
 
 
-def model() -> nn.Module:
+def model(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM, DIM, bias=False))
+    return nn.Sequential(nn.Linear(DIM, DIM, bias=False)).to(device)
 
 
 def count_kernels(codes: list[str]) -> int:
-    return sum(len(re.findall(r"^cpp_fused_\w+ = ", code, flags=re.M)) for code in codes)
+    """Kernels Inductor generated (C++ on CPU, Triton on GPU)."""
+    return sum(len(re.findall(r"^\w+ = async_compile\.(?:cpp_pybinding|triton)\(", code, flags=re.M)) for code in codes)
 
 
-def seconds(fn) -> float:
+def seconds(fn, device: torch.device) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
     start = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - start
 
 
-def measure(rank: int, world: int, rounds: int, tokens: int, cache: str):
+def measure(rank: int, world: int, rounds: int, tokens: int, cache: str, device_type: str):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, f"rank{rank}")
-    x = torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(rank))
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    x = torch.randn(tokens, DIM, generator=torch.Generator().manual_seed(rank)).to(device)
 
-    compiled = {"local": torch.compile(model(), backend="inductor")}
+    compiled = {"local": torch.compile(model(device), backend="inductor")}
     eager = {}
     for name, config in PATHS.items():
-        eager_model = model()
+        eager_model = model(device)
         eager[name] = GiftReference(eager_model, config)
         eager_model(x).sum().backward()
         eager[name].reduce_gradients()  # first step refreshes the factors; later ones reduce .grad in place
-        compiled[name] = torch.compile(replicate(model()), backend=gift_backend(config, name=name))
+        compiled[name] = torch.compile(replicate(model(device)), backend=gift_backend(config, name=name))
     codes = {}
     for name, fn in compiled.items():
         fn(x).sum().backward()  # compile (+ refresh at step 0)
@@ -87,27 +99,35 @@ def measure(rank: int, world: int, rounds: int, tokens: int, cache: str):
 
     # The floor of rank-r whitening on this machine: its four GEMMs alone (G U and P U^T to
     # whiten, the same two to unwhiten), nothing else.
-    g, basis, projected = torch.randn(DIM, DIM), torch.randn(DIM, 32), torch.randn(DIM, 32)
-    compiled_times = {name: [] for name in PATHS}
-    eager_times = {name: [] for name in PATHS}
-    gemm_times = []
-    for round_ in range(rounds):
-        local = seconds(lambda: compiled["local"](x).sum().backward())
+    g, basis, projected = (torch.randn(shape, device=device) for shape in [(DIM, DIM), (DIM, 32), (DIM, 32)])
+
+    def one_round() -> dict:
+        times = {"local": seconds(lambda: compiled["local"](x).sum().backward(), device)}
         for name in PATHS:
-            compiled_times[name].append(seconds(lambda: compiled[name](x).sum().backward()) - local)
-            eager_times[name].append(seconds(eager[name].reduce_gradients))
-        gemm_times.append(2 * seconds(lambda: (g @ basis, projected @ basis.T)))
+            times["compiled", name] = seconds(lambda: compiled[name](x).sum().backward(), device) - times["local"]
+            times["eager", name] = seconds(eager[name].reduce_gradients, device)
+        times["gemms"] = 2 * seconds(lambda: (g @ basis, projected @ basis.T), device)
+        return times
+
+    one_round()  # warm-up: first calls pay one-off costs, not counted
+    measured = []
+    for round_ in range(rounds):
+        measured.append(one_round())
         if rank == 0:
             print(f"  round {round_ + 1}/{rounds}", flush=True)
+
+    def median(key) -> float:
+        return statistics.median(times[key] for times in measured)
+
     results = {
         name: {
-            "eager": statistics.median(eager_times[name]),
-            "compiled": max(statistics.median(compiled_times[name]), 1e-6),
+            "eager": median(("eager", name)),
+            "compiled": max(median(("compiled", name)), 1e-6),
             "kernels": count_kernels(codes[name]) - count_kernels(codes["local"]),
         }
         for name in PATHS
     }
-    results["gift rank 32"]["gemms"] = statistics.median(gemm_times)
+    results["gift rank 32"]["gemms"] = median("gemms")
     return results
 
 
@@ -130,7 +150,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (medians reported)")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per rank in the layer's input")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda":
+        world = min(2, torch.cuda.device_count())
+        if world == 0:
+            raise SystemExit("--device cuda: no CUDA device visible")
+        print(f"one {DIM}x{DIM} Linear gradient, {world} NCCL rank(s), {args.rounds} rounds ...", flush=True)
+        with tempfile.TemporaryDirectory() as cache:
+            results = run_on_ranks(measure, world, args.rounds, args.tokens, cache, "cuda", backend="nccl")[0]
+        report("CUDA caching", results)
+        return
     all_results = {}
     for allocator, env in ALLOCATORS.items():
         print(f"one {DIM}x{DIM} Linear gradient, 2 gloo ranks, {args.rounds} rounds, allocator: {allocator} ...", flush=True)
@@ -138,7 +168,7 @@ def main() -> None:
         os.environ.update(env)  # read by glibc when the rank processes start
         try:
             with tempfile.TemporaryDirectory() as cache:
-                all_results[allocator] = run_on_ranks(measure, 2, args.rounds, args.tokens, cache)[0]
+                all_results[allocator] = run_on_ranks(measure, 2, args.rounds, args.tokens, cache, "cpu")[0]
         finally:
             for key, value in saved.items():
                 if value is None:

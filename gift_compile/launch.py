@@ -1,6 +1,7 @@
-"""Run a function on N local gloo ranks (tests, benchmarks, examples).
+"""Run a function on N local ranks (tests, benchmarks, examples).
 
-Each rank is a fresh ``spawn``-ed process joined over TCP on 127.0.0.1. ``fn(rank, world,
+Each rank is a fresh ``spawn``-ed process joined over TCP on 127.0.0.1, with gloo (CPU) or,
+for GPU benchmarks, NCCL (rank ``r`` on GPU ``r``). ``fn(rank, world,
 *args)`` runs with the default process group initialized; whatever it returns (tensors,
 numbers, dicts of them) comes back to the caller, one entry per rank, in rank order. An
 exception on any rank is re-raised in the caller with that rank's traceback.
@@ -33,11 +34,13 @@ def _to_bytes(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, threads: int) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, threads: int, backend: str) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             results.put((rank, "ok", _to_bytes(fn(rank, world, *args))))
         finally:
@@ -46,12 +49,18 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout: float = 900) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the results in rank order."""
+def run_on_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, threads: int = 1, timeout: float = 900, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; return the results in rank order."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise RuntimeError(f"{world} NCCL ranks need {world} GPUs, this machine has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, threads)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results, threads, backend)) for r in range(world)]
     for p in procs:
         p.start()
     collected: dict[int, Any] = {}

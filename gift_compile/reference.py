@@ -44,7 +44,7 @@ class GiftReducer:
         collective: str = "all_reduce",
     ) -> torch.Tensor:
         """One GIFT step of one layer: refresh if due, reduce, keep the residual, count the step."""
-        layer = self.state.layer(fqn, *grad.shape)
+        layer = self.state.layer(fqn, *grad.shape, grad.device)
         layer.begin_step(layer_input, grad_output, self.group)
         reduced, new_residual, _ = gift_reduce(
             grad,

@@ -45,11 +45,53 @@ class LayerCounters:
     path: str  # "gift" or the Euclidean wire dtype
     steps: int = 0
     bytes_sent: int = 0
-    saturated: int = 0
-    flushed: int = 0
     refreshes: int = 0
     last_refresh_step: int | None = None
-    last_rel_error: float | None = None  # ||V - deq(Q(V))|| / ||V|| in whitened coordinates
+    # float64 [saturated, flushed] summed over steps, and [||err||^2, ||sent||^2] of the last
+    # step, both kept on the device that computed them: reading them back every step would
+    # make the host wait for the GPU once per layer per step. They are read when asked for.
+    _hits: torch.Tensor | None = field(default=None, repr=False)
+    _last_squares: torch.Tensor | None = field(default=None, repr=False)
+
+    def add_step(self, stats: torch.Tensor, bytes_sent: int) -> None:
+        """Count one step whose encoding reported ``stats`` (``comm.Reduction.stats``)."""
+        stats = stats.detach()
+        if self._hits is None:
+            self._hits = torch.zeros(2, dtype=torch.float64, device=stats.device)
+        self._hits.add_(stats[:2])
+        self._last_squares = stats[2:].double()  # a copy: the graph may reuse the stats buffer
+        self.steps += 1
+        self.bytes_sent += bytes_sent
+
+    def _read(self) -> list[float]:
+        if self._hits is None:
+            return [0.0] * 4
+        return self._hits.tolist() + self._last_squares.tolist()
+
+    @property
+    def saturated(self) -> int:
+        """Elements that hit the FP8 format's largest magnitude."""
+        return int(self._read()[0])
+
+    @property
+    def flushed(self) -> int:
+        """Nonzero elements that became zero on the wire."""
+        return int(self._read()[1])
+
+    @property
+    def last_rel_error(self) -> float | None:
+        """``||V - deq(Q(V))|| / ||V||`` of the last step (in whitened coordinates on the GIFT path)."""
+        if self._hits is None:
+            return None
+        _, _, err_sq, sent_sq = self._read()
+        return (err_sq / sent_sq) ** 0.5 if sent_sq > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "path": self.path, "steps": self.steps, "bytes_sent": self.bytes_sent, "saturated": self.saturated,
+            "flushed": self.flushed, "refreshes": self.refreshes, "last_refresh_step": self.last_refresh_step,
+            "last_rel_error": self.last_rel_error,
+        }
 
 
 @dataclass
@@ -122,7 +164,7 @@ def begin_step(
     namespace: str, fqn: str, group_name: str, d_out: int, d_in: int, layer_input: torch.Tensor, grad_output: torch.Tensor | None
 ) -> torch.Tensor:
     runtime = get_runtime(namespace)
-    layer = runtime.state.layer(fqn, d_out, d_in)
+    layer = runtime.state.layer(fqn, d_out, d_in, layer_input.device)
     counter = runtime.counter(fqn, "gift")
     if layer.is_refresh_step():
         layer.refresh(layer_input, grad_output, _resolve_process_group(group_name))
@@ -138,7 +180,7 @@ def _(namespace, fqn, group_name, d_out, d_in, layer_input, grad_output):
 
 @torch.library.custom_op("gift::load_factors", mutates_args=())
 def load_factors(namespace: str, fqn: str, d_out: int, d_in: int, token: torch.Tensor) -> list[torch.Tensor]:
-    return [t.clone() for t in get_runtime(namespace).state.layer(fqn, d_out, d_in).factor_tensors()]
+    return [t.clone() for t in get_runtime(namespace).state.layer(fqn, d_out, d_in, token.device).factor_tensors()]
 
 
 @load_factors.register_fake
@@ -149,7 +191,7 @@ def _(namespace, fqn, d_out, d_in, token):
 
 @torch.library.custom_op("gift::load_residual", mutates_args=())
 def load_residual(namespace: str, fqn: str, d_out: int, d_in: int, token: torch.Tensor) -> torch.Tensor:
-    return get_runtime(namespace).state.layer(fqn, d_out, d_in).residual  # not a copy: see the module docstring
+    return get_runtime(namespace).state.layer(fqn, d_out, d_in, token.device).residual  # not a copy: see the module docstring
 
 
 @load_residual.register_fake
@@ -163,7 +205,7 @@ def end_step(
 ) -> None:
     runtime = get_runtime(namespace)
     runtime.state.layer(fqn).end_step(new_residual)
-    _count(runtime.counter(fqn, "gift"), stats, bytes_sent)
+    runtime.counter(fqn, "gift").add_step(stats, bytes_sent)
 
 
 @end_step.register_fake
@@ -185,21 +227,12 @@ def _lower_end_step(namespace, fqn, token, new_residual, stats, bytes_sent):
 
 @torch.library.custom_op("gift::record_euclidean", mutates_args=())
 def record_euclidean(namespace: str, fqn: str, path: str, stats: torch.Tensor, bytes_sent: int) -> None:
-    _count(get_runtime(namespace).counter(fqn, path), stats, bytes_sent)
+    get_runtime(namespace).counter(fqn, path).add_step(stats, bytes_sent)
 
 
 @record_euclidean.register_fake
 def _(namespace, fqn, path, stats, bytes_sent):
     return None
-
-
-def _count(counter: LayerCounters, stats: torch.Tensor, bytes_sent: int) -> None:
-    saturated, flushed, err_sq, sent_sq = stats.tolist()
-    counter.steps += 1
-    counter.bytes_sent += bytes_sent
-    counter.saturated += int(saturated)
-    counter.flushed += int(flushed)
-    counter.last_rel_error = (err_sq / sent_sq) ** 0.5 if sent_sq > 0 else 0.0
 
 
 for _op in (torch.ops.gift.end_step.default, torch.ops.gift.record_euclidean.default):

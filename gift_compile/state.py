@@ -47,15 +47,21 @@ def factor_shapes(config: GiftConfig, d_out: int, d_in: int) -> list[tuple[int, 
     return shapes
 
 
+# Host-side bookkeeping: Python reads these every step (is a refresh due?) and at load time,
+# which must never wait for a GPU. Everything else lives on the device of the layer's gradient.
+HOST_BUFFERS = ("shape", "step", "refreshes")
+
+
 def state_key(fqn: str) -> str:
     """Module names may not contain dots; FQNs do."""
     return fqn.replace(".", "/")
 
 
 class GiftLayerState(nn.Module):
-    def __init__(self, fqn: str, d_out: int, d_in: int, config: GiftConfig) -> None:
+    def __init__(self, fqn: str, d_out: int, d_in: int, config: GiftConfig, device: torch.device | None = None) -> None:
         super().__init__()
         self.fqn, self.d_out, self.d_in, self.config = fqn, d_out, d_in, config
+        self.device = torch.device("cpu") if device is None else device
         self.sides = SIDES[config.side]
         for side in self.sides:
             dim = self.dim(side)
@@ -64,13 +70,27 @@ class GiftLayerState(nn.Module):
                     f"GiftConfig.rank={config.rank} exceeds the {side} dimension {dim} of layer {fqn!r}; "
                     f"use rank <= {dim} or rank=None"
                 )
-            self.register_buffer(f"{side}_moment", torch.zeros(dim, dim))
+            self.register_buffer(f"{side}_moment", torch.zeros(dim, dim, device=self.device))
             for name, tensor in identity_whitening(self.kind, dim, config.rank).tensors.items():
-                self.register_buffer(f"{side}_{name}", tensor)
-        self.register_buffer("residual", torch.zeros(d_out, d_in) if config.error_feedback else None)
+                self.register_buffer(f"{side}_{name}", tensor.to(self.device))
+        self.register_buffer("residual", torch.zeros(d_out, d_in, device=self.device) if config.error_feedback else None)
         self.register_buffer("shape", torch.tensor([d_out, d_in]))  # lets a checkpoint rebuild the layer
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))
         self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64))
+
+    def place_on(self, device: torch.device) -> None:
+        """Move the tensors the gradient meets (factors, moments, residual) to its device.
+
+        A layer created before its first gradient (a checkpoint load, a torchtitan session)
+        may sit elsewhere; the refresh collectives then also run on ``device``, where the
+        gradient's process group expects its tensors (NCCL: CUDA).
+        """
+        if device == self.device:
+            return
+        for name, buffer in self._buffers.items():
+            if buffer is not None and name not in HOST_BUFFERS:
+                self._buffers[name] = buffer.to(device)
+        self.device = device
 
     @property
     def kind(self) -> str:
@@ -147,7 +167,7 @@ class GiftLayerState(nn.Module):
 
     def _check_same_shape(self, group) -> None:
         world = dist.get_world_size(group)
-        mine = torch.tensor([self.d_out, self.d_in])
+        mine = torch.tensor([self.d_out, self.d_in], device=self.device)
         shapes = mine.repeat(world)
         dist.all_gather_single(shapes, mine, group=group)
         shapes = shapes.reshape(world, 2)
@@ -180,15 +200,21 @@ class GiftState(nn.Module):
         self.config = config
         self.layers = nn.ModuleDict()
 
-    def layer(self, fqn: str, d_out: int | None = None, d_in: int | None = None) -> GiftLayerState:
+    def layer(
+        self, fqn: str, d_out: int | None = None, d_in: int | None = None, device: torch.device | None = None
+    ) -> GiftLayerState:
+        """The state of layer ``fqn``, created for ``(d_out, d_in)`` gradients and placed on
+        ``device`` (a gradient's ``.device``) when those are given."""
         key = state_key(fqn)
         if key not in self.layers:
             if d_out is None or d_in is None:
                 raise KeyError(f"no GIFT state for layer {fqn!r}; known layers: {self.fqns()}")
-            self.layers[key] = GiftLayerState(fqn, d_out, d_in, self.config)
+            self.layers[key] = GiftLayerState(fqn, d_out, d_in, self.config, device)
         state = self.layers[key]
         if d_out is not None and (state.d_out, state.d_in) != (d_out, d_in):
             raise ValueError(f"GIFT layer {fqn!r} was created for ({state.d_out}, {state.d_in}) gradients, got ({d_out}, {d_in})")
+        if device is not None:
+            state.place_on(device)
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -208,5 +234,5 @@ class GiftState(nn.Module):
         total = torch.zeros((), dtype=torch.float64)
         for layer in self.layers.values():
             for i, t in enumerate(layer.factor_tensors()):
-                total += (t.double().reshape(-1) * torch.arange(1, t.numel() + 1, dtype=torch.float64).cos()).sum() * math.sqrt(i + 1)
+                total += (t.detach().double().cpu().reshape(-1) * torch.arange(1, t.numel() + 1, dtype=torch.float64).cos()).sum() * math.sqrt(i + 1)
         return total

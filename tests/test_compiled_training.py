@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 from gift_compile import GiftConfig, GiftReference, gift_backend, replicate
 from gift_compile.launch import run_on_ranks
+from gift_compile.runtime import LayerCounters
 from models import MLP
 
 CONFIG = GiftConfig(layers=("fc2",), rank=4, refresh_interval=10)
@@ -62,8 +63,8 @@ def train_side_by_side(rank, world, cache_root, steps, name):
         "worst": worst,
         "cache_hits": counters["inductor"]["fxgraph_cache_hit"],
         "pass_calls": sum(p.calls for p in backend.passes),
-        "fc2": vars(runtime.counters["fc2"]),
-        "fc1": vars(runtime.counters["fc1"]),
+        "fc2": runtime.counters["fc2"].as_dict(),
+        "fc1": runtime.counters["fc1"].as_dict(),
         "checksum": runtime.state.checksum(),
         "final_weight": model.fc2.weight.detach().clone(),
     }
@@ -95,6 +96,19 @@ def test_refreshes_take_effect_and_counters_report_them(cold_run):
         assert 0 < fc2["last_rel_error"] < 2.0**-4  # one e4m3 rounding, in whitened coordinates
     assert cold_run[0]["checksum"] == cold_run[1]["checksum"]  # same factors on both ranks
     assert torch.equal(cold_run[0]["final_weight"], cold_run[1]["final_weight"])
+
+
+def test_counters_sum_hits_and_keep_the_last_error():
+    counter = LayerCounters("gift")
+    assert counter.saturated == 0 and counter.last_rel_error is None
+    stats = torch.tensor([3.0, 5.0, 4.0, 16.0])  # [saturated, flushed, ||err||^2, ||sent||^2]
+    counter.add_step(stats, bytes_sent=100)
+    stats.copy_(torch.tensor([1.0, 0.0, 1.0, 100.0]))  # the graph may reuse its stats buffer
+    assert counter.last_rel_error == 0.5
+    counter.add_step(stats, bytes_sent=100)
+    assert (counter.steps, counter.bytes_sent, counter.saturated, counter.flushed) == (2, 200, 4, 5)
+    assert counter.last_rel_error == 0.1
+    assert counter.as_dict()["flushed"] == 5
 
 
 def test_warm_cache_in_a_new_process_still_matches(cold_run, cache_root):

@@ -154,3 +154,18 @@ def test_reference_reduces_every_parameter_of_a_model():
 def test_patterns_matching_nothing_list_the_linear_layers():
     with pytest.raises(ValueError, match=r"\['w9'\] match no Linear layer.*\['fc1', 'fc2'\]"):
         GiftReference(MLP(), GiftConfig(layers=("w9",)))
+
+
+def test_state_lives_on_the_gradients_device_and_bookkeeping_on_the_host():
+    # "meta" stands in for an accelerator here: which buffers move must not depend on which
+    # device it is. Step and refresh counts stay on the host, so the per-step "is a refresh
+    # due?" check never waits for a GPU.
+    state = GiftState(CONFIG)
+    layer = state.layer("fc", D_OUT, D_IN)  # created before any gradient, as a checkpoint load does
+    assert state.layer("fc", D_OUT, D_IN, torch.device("meta")) is layer
+    devices = {name: buffer.device.type for name, buffer in layer.named_buffers()}
+    assert {name for name, device in devices.items() if device == "cpu"} == {"shape", "step", "refreshes"}
+    assert devices["residual"] == devices["input_basis"] == devices["input_moment"] == "meta"
+    assert layer.is_refresh_step()
+    fresh = GiftState(CONFIG).layer("fc", D_OUT, D_IN, torch.device("meta"))
+    assert fresh.residual.device.type == "meta" and fresh.step.device.type == "cpu"

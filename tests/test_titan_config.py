@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 pytest.importorskip("torchtitan")
 
@@ -88,7 +89,9 @@ def test_auto_selection_cuts_at_the_largest_drop():
     assert autoselect.choose_layers(rates) == ["a.w2", "b.w2"]
     assert autoselect.choose_layers(rates, max_layers=3) == ["a.w2", "b.w2", "c.wo"]
     assert autoselect.choose_layers([autoselect.LayerHitRate("x", 0, 10)]) == []
-    counters = {"a": LayerCounters("fp8", steps=2, saturated=3, flushed=1)}
+    counters = {"a": LayerCounters("fp8")}
+    for saturated, flushed in [(2.0, 1.0), (1.0, 0.0)]:
+        counters["a"].add_step(torch.tensor([saturated, flushed, 0.0, 1.0]), bytes_sent=10)
     assert autoselect.global_hit_counts(counters, {"a": 10}) == [autoselect.LayerHitRate("a", 4, 20)]
     text = autoselect.layers_toml(["a.w2"], rates, 100)
     assert 'layers = ["a.w2"]' in text

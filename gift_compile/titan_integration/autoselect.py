@@ -28,11 +28,12 @@ class LayerHitRate:
         return self.hits / self.elements if self.elements else 0.0
 
 
-def global_hit_counts(counters: dict, numel: dict[str, int], group=None) -> list[LayerHitRate]:
-    """Per-layer hits summed over the ranks of ``group`` (the default group when None)."""
+def global_hit_counts(counters: dict, numel: dict[str, int], group=None, device: torch.device | None = None) -> list[LayerHitRate]:
+    """Per-layer hits summed over the ranks of ``group`` (the default group when None); the
+    sum runs on ``device``, the one the group's backend takes (NCCL: the rank's GPU)."""
     fqns = sorted(f for f in numel if f in counters)
     local = torch.tensor(
-        [[counters[f].saturated + counters[f].flushed, numel[f] * counters[f].steps] for f in fqns], dtype=torch.float64
+        [[counters[f].saturated + counters[f].flushed, numel[f] * counters[f].steps] for f in fqns], dtype=torch.float64, device=device
     ).reshape(-1, 2)
     if dist.is_initialized():
         dist.all_reduce(local, group=group)

@@ -16,7 +16,6 @@ A :class:`GiftSession` is created by the trainer when ``[gift] enabled = true``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import resource
@@ -101,7 +100,7 @@ class GiftSession:
     def _create_layer_states(self, fqns: list[str]) -> None:
         for fqn in fqns:
             d_out, d_in = self.shapes[fqn]
-            self.runtime.state.layer(fqn, d_out, d_in)
+            self.runtime.state.layer(fqn, d_out, d_in, self.trainer.device)
 
     def before_step(self, step: int) -> None:
         """Called at the start of every train step (``step`` is the 1-based step about to run)."""
@@ -111,7 +110,7 @@ class GiftSession:
     def _switch_to_gift(self, step: int) -> None:
         numel = get_pass_context(NAMESPACE).accounting.numel
         linear = {f: n for f, n in numel.items() if f in self.shapes}
-        rates = autoselect.global_hit_counts(self.runtime.counters, linear)
+        rates = autoselect.global_hit_counts(self.runtime.counters, linear, device=self.trainer.device)
         self.chosen = autoselect.choose_layers(rates, self.config.auto_max_layers)
         self.profile_table = self.runtime.table()
         self.switched_at = step
@@ -181,7 +180,7 @@ class GiftSession:
         payload = {
             "chosen": self.chosen,
             "switched_at": self.switched_at,
-            "layers": {fqn: dataclasses.asdict(c) for fqn, c in sorted(self.runtime.counters.items())},
+            "layers": {fqn: c.as_dict() for fqn, c in sorted(self.runtime.counters.items())},
             "state_checksum": float(state.checksum()),
             "residual_norm": residual,
             "state_steps": {l.fqn: int(l.step) for l in state.layers.values()},
