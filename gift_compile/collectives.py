@@ -152,7 +152,9 @@ def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def _unpack(messages: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     payload = messages[:, : lay.chunk_numel]
-    scales = messages[:, lay.chunk_numel :].contiguous().view(torch.float32)
+    # A copy, never a view: the scale bytes start at offset chunk_numel, which need not be a
+    # multiple of 4 (with one rank the slice is contiguous and .contiguous() would not copy).
+    scales = messages[:, lay.chunk_numel :].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return payload, scales
 
 

@@ -36,10 +36,11 @@ def _to_bytes(value: Any) -> bytes:
 
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, threads: int, backend: str) -> None:
     torch.set_num_threads(threads)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        else:  # few CPU cores: a compile-worker pool only adds start-up time
+            os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             results.put((rank, "ok", _to_bytes(fn(rank, world, *args))))

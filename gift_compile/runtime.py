@@ -155,11 +155,16 @@ def get_runtime(namespace: str) -> GiftRuntime:
         ) from None
 
 
+# The gift:: ops run Python on every call (refresh, residual hand-over, counters): a CUDA
+# graph must not capture them, or replays would skip that Python and reuse stale tensors.
+_RUNS_PYTHON = (torch.Tag.cudagraph_unsafe,)
+
+
 def _token(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=like.device)
 
 
-@torch.library.custom_op("gift::begin_step", mutates_args=())
+@torch.library.custom_op("gift::begin_step", mutates_args=(), tags=_RUNS_PYTHON)
 def begin_step(
     namespace: str, fqn: str, group_name: str, d_out: int, d_in: int, layer_input: torch.Tensor, grad_output: torch.Tensor | None
 ) -> torch.Tensor:
@@ -178,7 +183,7 @@ def _(namespace, fqn, group_name, d_out, d_in, layer_input, grad_output):
     return _token(layer_input)
 
 
-@torch.library.custom_op("gift::load_factors", mutates_args=())
+@torch.library.custom_op("gift::load_factors", mutates_args=(), tags=_RUNS_PYTHON)
 def load_factors(namespace: str, fqn: str, d_out: int, d_in: int, token: torch.Tensor) -> list[torch.Tensor]:
     return [t.clone() for t in get_runtime(namespace).state.layer(fqn, d_out, d_in, token.device).factor_tensors()]
 
@@ -189,7 +194,7 @@ def _(namespace, fqn, d_out, d_in, token):
     return [token.new_empty(shape) for shape in shapes]
 
 
-@torch.library.custom_op("gift::load_residual", mutates_args=())
+@torch.library.custom_op("gift::load_residual", mutates_args=(), tags=_RUNS_PYTHON)
 def load_residual(namespace: str, fqn: str, d_out: int, d_in: int, token: torch.Tensor) -> torch.Tensor:
     return get_runtime(namespace).state.layer(fqn, d_out, d_in, token.device).residual  # not a copy: see the module docstring
 
@@ -199,7 +204,7 @@ def _(namespace, fqn, d_out, d_in, token):
     return token.new_empty((d_out, d_in))
 
 
-@torch.library.custom_op("gift::end_step", mutates_args=())
+@torch.library.custom_op("gift::end_step", mutates_args=(), tags=_RUNS_PYTHON)
 def end_step(
     namespace: str, fqn: str, token: torch.Tensor, new_residual: torch.Tensor | None, stats: torch.Tensor, bytes_sent: int
 ) -> None:
@@ -225,7 +230,7 @@ def _lower_end_step(namespace, fqn, token, new_residual, stats, bytes_sent):
     )
 
 
-@torch.library.custom_op("gift::record_euclidean", mutates_args=())
+@torch.library.custom_op("gift::record_euclidean", mutates_args=(), tags=_RUNS_PYTHON)
 def record_euclidean(namespace: str, fqn: str, path: str, stats: torch.Tensor, bytes_sent: int) -> None:
     get_runtime(namespace).counter(fqn, path).add_step(stats, bytes_sent)
 

@@ -85,12 +85,17 @@ class GiftLayerState(nn.Module):
         may sit elsewhere; the refresh collectives then also run on ``device``, where the
         gradient's process group expects its tensors (NCCL: CUDA).
         """
-        if device == self.device:
-            return
-        for name, buffer in self._buffers.items():
-            if buffer is not None and name not in HOST_BUFFERS:
-                self._buffers[name] = buffer.to(device)
-        self.device = device
+        if device != self.device:
+            self.to(device)
+            self.device = device
+
+    def _apply(self, fn, recurse=True):
+        # What Module.to(device) and friends call: every buffer moves but the host bookkeeping.
+        host = {name: self._buffers[name] for name in HOST_BUFFERS}
+        super()._apply(fn, recurse)
+        self._buffers.update(host)
+        self.device = next((b.device for name, b in self._buffers.items() if b is not None and name not in HOST_BUFFERS), self.device)
+        return self
 
     @property
     def kind(self) -> str:

@@ -47,7 +47,7 @@ def collective_cases(rank, world):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
 def results(request):
     world = request.param
     return world, run_on_ranks(collective_cases, world)

@@ -11,9 +11,11 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from expecttest import assert_expected_inline
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import is_cudagraph_unsafe_fx_node
 from torch.testing import FileCheck
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -288,6 +290,13 @@ def test_graph_without_collectives_warns_once_and_trains_correctly(caplog):
     expected(x).sum().backward()
     for got, want in zip(model.parameters(), expected.parameters()):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("op", ["begin_step", "load_factors", "load_residual", "end_step", "record_euclidean"])
+def test_gift_ops_are_never_captured_in_cuda_graphs(op):
+    # Inductor asks this before capturing a graph ("reduce-overhead", graph partitions): a
+    # replay would skip the op's Python (refresh, residual hand-over, counters).
+    assert is_cudagraph_unsafe_fx_node(fx.Graph().call_function(getattr(torch.ops.gift, op).default))
 
 
 def test_gift_backend_is_registered_by_name():

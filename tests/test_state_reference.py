@@ -169,3 +169,8 @@ def test_state_lives_on_the_gradients_device_and_bookkeeping_on_the_host():
     assert layer.is_refresh_step()
     fresh = GiftState(CONFIG).layer("fc", D_OUT, D_IN, torch.device("meta"))
     assert fresh.residual.device.type == "meta" and fresh.step.device.type == "cpu"
+    moved = GiftState(CONFIG)
+    moved.layer("fc", D_OUT, D_IN)
+    moved.to("meta")  # Module.to moves the state too, but not the host bookkeeping
+    assert moved.layer("fc").residual.device.type == "meta" and moved.layer("fc").step.device.type == "cpu"
+    assert moved.layer("fc").device.type == "meta"

@@ -7,6 +7,7 @@ every 10 steps), and one run that resumes from its step-10 checkpoint. About 1.5
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,15 @@ def test_gift_path_is_active_on_the_selected_layers(runs):
         assert others == {"fp8"}  # every other Linear (and the embedding) as Euclidean FP8
     assert first.last("gift/layers") == 6
     assert first.last("gift/bytes_per_step/gift") > 0
+
+
+def test_cuda_graph_pass_is_kept_away_from_the_gift_ops(runs):
+    # graph_trainer's default pipeline ends with cudagraph_pass (it only skips itself at run
+    # time when every op is a CPU op); its replays would skip the gift:: ops' Python.
+    first, _ = runs
+    applied = set(re.findall(r"\b\d+\. (\w+_pass)\b", first.log))
+    assert "gift_joint_graph_pass" in applied
+    assert "cudagraph_pass" not in applied
 
 
 def test_gradient_bytes_at_most_026x_fp32(runs):

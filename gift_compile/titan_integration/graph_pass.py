@@ -151,6 +151,18 @@ def op_counts(gm: fx.GraphModule) -> dict[str, int]:
     return dict(sorted(Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function").items()))
 
 
+# graph_trainer passes that cannot run beside GIFT: a CUDA graph replays captured kernels
+# without the Python of the gift:: ops (refresh, residual hand-over, counters).
+INCOMPATIBLE_PASSES = ("cudagraph_pass",)
+
+
+def disable_incompatible_passes(compile_config) -> list[str]:
+    """Add :data:`INCOMPATIBLE_PASSES` to ``compile_config.disable_passes``; returns those added."""
+    added = [name for name in INCOMPATIBLE_PASSES if name not in compile_config.disable_passes]
+    compile_config.disable_passes.extend(added)
+    return added
+
+
 def gift_pass_pipeline(traced_result, config, *, parallel_dims=None) -> list:
     """``(TracedResult, GraphTrainer.Config, parallel_dims=) -> [pass]``: GIFT first, then torchtitan's."""
     from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
@@ -171,4 +183,4 @@ def register_pipeline() -> None:
     register_pass_pipeline(PIPELINE_NAME)(gift_pass_pipeline)
 
 
-__all__ = ["PIPELINE_NAME", "GraphAccounting", "PassContext", "gift_joint_graph_pass", "gift_pass_pipeline", "op_counts", "register_pipeline"]
+__all__ = ["INCOMPATIBLE_PASSES", "PIPELINE_NAME", "GraphAccounting", "disable_incompatible_passes", "PassContext", "gift_joint_graph_pass", "gift_pass_pipeline", "op_counts", "register_pipeline"]

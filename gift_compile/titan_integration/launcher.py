@@ -38,6 +38,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gift_compile.launch import free_port
 
 DEFAULT_MODULE = "gift_compile.titan_integration.configs"
@@ -258,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.dry_run:
         return 0
     env = dict(os.environ)
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    if not torch.cuda.is_available():  # few CPU cores: a compile-worker pool only adds start-up time
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     return subprocess.call(command, env=env)
 
 

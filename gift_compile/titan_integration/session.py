@@ -32,7 +32,9 @@ from gift_compile.selection import select_layers
 from gift_compile.titan_integration import autoselect
 from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState
 from gift_compile.titan_integration.config import GiftSection, to_gift_config
-from gift_compile.titan_integration.graph_pass import PIPELINE_NAME, PassContext, get_pass_context, set_pass_context
+from gift_compile.titan_integration.graph_pass import (
+    PIPELINE_NAME, PassContext, disable_incompatible_passes, get_pass_context, set_pass_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,9 @@ class GiftSession:
                 f"mode = \"aot_fx_trace\" and pass_pipeline = \"{PIPELINE_NAME}\" (got enable={compile_config.enable}, "
                 f"pass_pipeline={getattr(compile_config, 'pass_pipeline', None)!r})"
             )
+        disabled = disable_incompatible_passes(compile_config)
+        if disabled:
+            log.info("GIFT: graph passes %s disabled (a CUDA graph would skip the gift:: ops' per-step Python)", disabled)
         self.runtime: GiftRuntime = register_runtime(NAMESPACE, self.config)
         self.dump_folder = Path(trainer.config.dump_folder)
         self.shapes = linear_weight_shapes(trainer.model_parts[0])
