@@ -98,6 +98,14 @@ def test_refreshes_take_effect_and_counters_report_them(cold_run):
     assert torch.equal(cold_run[0]["final_weight"], cold_run[1]["final_weight"])
 
 
+def test_a_single_rank_matches_the_reference(tmp_path):
+    # One process on one GPU is a common first run: every collective is then a local copy
+    # and the FP8 messages of the all-to-all sit back to back in one row.
+    (result,) = run_on_ranks(train_side_by_side, 1, str(tmp_path), 12, "single")
+    assert result["worst"]["weight"] == 0.0 and result["worst"]["bias"] < 1e-6
+    assert result["fc2"]["path"] == "gift" and result["fc2"]["refreshes"] == 2
+
+
 def test_counters_sum_hits_and_keep_the_last_error():
     counter = LayerCounters("gift")
     assert counter.saturated == 0 and counter.last_rel_error is None
