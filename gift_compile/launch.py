@@ -1,10 +1,10 @@
 """Run a function on N local ranks (tests, benchmarks, examples).
 
 Each rank is a fresh ``spawn``-ed process joined over TCP on 127.0.0.1, with gloo (CPU) or,
-for GPU benchmarks, NCCL (rank ``r`` on GPU ``r``). ``fn(rank, world,
-*args)`` runs with the default process group initialized; whatever it returns (tensors,
-numbers, dicts of them) comes back to the caller, one entry per rank, in rank order. An
-exception on any rank is re-raised in the caller with that rank's traceback.
+for GPU benchmarks, NCCL (rank ``r`` on GPU ``r``). ``fn(rank, world, *args)`` runs with the
+default process group initialized; whatever it returns (tensors, numbers, dicts of them)
+comes back to the caller, one entry per rank, in rank order. An exception on any rank is
+re-raised in the caller with that rank's traceback.
 """
 
 from __future__ import annotations

@@ -94,7 +94,9 @@ class GiftLayerState(nn.Module):
         host = {name: self._buffers[name] for name in HOST_BUFFERS}
         super()._apply(fn, recurse)
         self._buffers.update(host)
-        self.device = next((b.device for name, b in self._buffers.items() if b is not None and name not in HOST_BUFFERS), self.device)
+        moved = [b for name, b in self._buffers.items() if b is not None and name not in HOST_BUFFERS]
+        if moved:
+            self.device = moved[0].device
         return self
 
     @property
