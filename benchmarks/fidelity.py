@@ -402,11 +402,11 @@ def tokens_label(n: int) -> str:
     return f"{n / 1024:.0f}k" if n >= 1024 else str(n)
 
 
-
 def plot_curve(ax, xs, ys, style: str, label: str) -> None:
     """One curve, skipped when every point is missing (NaN: the method was not measured)."""
     if not all(y != y for y in ys):
         ax.plot(xs, ys, style, marker="o", label=label)
+
 
 def headline_table(run: Run, phase: str) -> tuple[list[str], list[list]]:
     rows = [r for r in run.rows if r["phase"] == phase]

@@ -63,35 +63,33 @@ class LayerCounters:
         self.steps += 1
         self.bytes_sent += bytes_sent
 
-    def _read(self) -> list[float]:
-        if self._hits is None:
-            return [0.0] * 4
-        return self._hits.tolist() + self._last_squares.tolist()
+    def as_dict(self) -> dict:
+        """Every counter, with the device-side ones read back once."""
+        saturated = flushed = 0.0
+        rel_error = None  # ||V - deq(Q(V))|| / ||V|| of the last step (whitened coordinates on the GIFT path)
+        if self._hits is not None:
+            saturated, flushed = self._hits.tolist()
+            err_sq, sent_sq = self._last_squares.tolist()
+            rel_error = (err_sq / sent_sq) ** 0.5 if sent_sq > 0 else 0.0
+        return {
+            "path": self.path, "steps": self.steps, "bytes_sent": self.bytes_sent, "saturated": int(saturated),
+            "flushed": int(flushed), "refreshes": self.refreshes, "last_refresh_step": self.last_refresh_step,
+            "last_rel_error": rel_error,
+        }
 
     @property
     def saturated(self) -> int:
         """Elements that hit the FP8 format's largest magnitude."""
-        return int(self._read()[0])
+        return self.as_dict()["saturated"]
 
     @property
     def flushed(self) -> int:
         """Nonzero elements that became zero on the wire."""
-        return int(self._read()[1])
+        return self.as_dict()["flushed"]
 
     @property
     def last_rel_error(self) -> float | None:
-        """``||V - deq(Q(V))|| / ||V||`` of the last step (in whitened coordinates on the GIFT path)."""
-        if self._hits is None:
-            return None
-        _, _, err_sq, sent_sq = self._read()
-        return (err_sq / sent_sq) ** 0.5 if sent_sq > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "path": self.path, "steps": self.steps, "bytes_sent": self.bytes_sent, "saturated": self.saturated,
-            "flushed": self.flushed, "refreshes": self.refreshes, "last_refresh_step": self.last_refresh_step,
-            "last_rel_error": self.last_rel_error,
-        }
+        return self.as_dict()["last_rel_error"]
 
 
 @dataclass
@@ -109,11 +107,11 @@ class GiftRuntime:
         return self.counters.setdefault(fqn, LayerCounters(path))
 
     def table(self) -> str:
-        rows = [
-            (fqn, c.path, c.steps, c.bytes_sent, c.saturated, c.flushed, c.refreshes, c.last_refresh_step,
-             None if c.last_rel_error is None else f"{c.last_rel_error:.3e}")
-            for fqn, c in sorted(self.counters.items())
-        ]
+        rows = []
+        for fqn, c in sorted(self.counters.items()):
+            d = c.as_dict()
+            error = None if d["last_rel_error"] is None else f"{d['last_rel_error']:.3e}"
+            rows.append((fqn, d["path"], d["steps"], d["bytes_sent"], d["saturated"], d["flushed"], d["refreshes"], d["last_refresh_step"], error))
         headers = ["layer", "path", "steps", "bytes sent", "saturated", "flushed", "refreshes", "last refresh", "last rel. error"]
         return tabulate(rows, headers=headers)
 
