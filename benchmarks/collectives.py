@@ -2,8 +2,9 @@
 
 2 gloo ranks on this machine; every method runs side by side in one process pair so ratios
 are comparable. The codec runs eagerly and under ``torch.compile`` (Inductor fuses amax,
-scale, cast and the whitening epilogue). Then the cost of one factor refresh (statistics of
-8192 tokens + factorization) for several input widths.
+scale, cast and the whitening epilogue). Then the cost of the factors for several input
+widths: current-step statistics (the sketch of 8192 tokens, Rayleigh-Ritz, QR: every step)
+against a periodic refresh (the full second moment and its factorization: every K steps).
 
     python benchmarks/collectives.py            # sizes 1M, 4M, 16M elements
     python benchmarks/collectives.py --quick    # 1M only, fewer repeats
@@ -20,29 +21,31 @@ from tabulate import tabulate
 
 from common import median_seconds
 from gift_compile.collectives import WireFormat, bytes_sent
-from gift_compile.comm import euclidean_reduce, gift_reduce
-from gift_compile.config import GiftConfig
-from gift_compile.geometry import factorize, second_moment
+from gift_compile.comm import euclidean_reduce, fp8_reduce
+from gift_compile.geometry import Whitening, factorize, initial_basis, input_sketch, second_moment, whitening_from_sketch
 from gift_compile.launch import run_on_ranks
-from gift_compile.state import GiftLayerState
 
 WIRES = {"fp32": WireFormat("fp32"), "bf16": WireFormat("bf16"), "fp8 euclidean": WireFormat("fp8")}
 
 
-def gift_layer(shape, rank: int) -> GiftLayerState:
-    """A layer state whose rank-32 factors come from a real refresh on correlated inputs."""
-    layer = GiftLayerState("bench", *shape, GiftConfig(rank=32))
-    mixing = torch.randn(shape[1], shape[1], generator=torch.Generator().manual_seed(0)) / shape[1] ** 0.5
-    x = torch.randn(2048, shape[1], generator=torch.Generator().manual_seed(rank)) @ mixing
-    layer.refresh(x, None)
-    return layer
+def correlated_inputs(d_in: int, tokens: int, seed: int) -> torch.Tensor:
+    mixing = torch.randn(d_in, d_in, generator=torch.Generator().manual_seed(0)) / d_in**0.5
+    return torch.randn(tokens, d_in, generator=torch.Generator().manual_seed(seed)) @ mixing
+
+
+def gift_factors(shape, rank: int, low_rank: int = 32) -> list[torch.Tensor]:
+    """Rank-32 current-step factors of correlated inputs (a few subspace steps in)."""
+    basis = initial_basis(shape[1], low_rank)
+    for step in range(3):
+        whitening, basis = whitening_from_sketch(input_sketch(correlated_inputs(shape[1], 2048, rank + step), basis), basis, 0.3)
+    return list(whitening.tensors.values())
 
 
 def time_methods(rank: int, world: int, shapes, repeats: int):
     rows = []
     for shape in shapes:
         grad = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
-        layer = gift_layer(shape, rank)
+        factors, residual = gift_factors(shape, rank), torch.zeros(shape)
         for collective in ("reduce_scatter", "all_reduce"):
             for name, wire in WIRES.items():
                 for mode in ("eager", "compiled") if wire.dtype == "fp8" else ("eager",):
@@ -50,30 +53,34 @@ def time_methods(rank: int, world: int, shapes, repeats: int):
                     fn = torch.compile(fn, fullgraph=True) if mode == "compiled" else fn
                     seconds = median_seconds(lambda: fn(grad), repeats)
                     rows.append((shape, collective, name, mode, bytes_sent(shape, world, wire, collective), seconds))
-            gift = functools.partial(
-                gift_reduce, kind=layer.kind, sides=layer.sides, op="avg", group=None,
-                wire=WireFormat.gift(layer.config), collective=collective,
-            )
+            gather_residual = torch.zeros(-(-shape[0] // world), shape[1]) if collective == "all_reduce" else None
+
+            def gift(g, *tensors):
+                return fp8_reduce(g, Whitening.from_list("lowrank", list(tensors)), residual, gather_residual,
+                                  op="avg", group=None, wire=WireFormat("fp8"), collective=collective)
+
             for mode in ("eager", "compiled"):
                 fn = torch.compile(gift, fullgraph=True) if mode == "compiled" else gift
-                seconds = median_seconds(lambda: fn(grad, layer.factor_tensors(), layer.residual), repeats)
-                rows.append((shape, collective, "gift rank 32", mode, bytes_sent(shape, world, WireFormat("fp8"), collective), seconds))
+                seconds = median_seconds(lambda: fn(grad, *factors), repeats)
+                rows.append((shape, collective, "gift rank 32 + EF", mode, bytes_sent(shape, world, WireFormat("fp8"), collective), seconds))
             if rank == 0:
                 print(f"  done {shape} {collective}", flush=True)
     return rows
 
 
-def refresh_cost(widths, rank: int = 32) -> list[tuple[int, float, float]]:
+def factor_cost(widths, low_rank: int = 32, tokens: int = 8192) -> list[tuple[int, float, float, float]]:
+    """Seconds of the current-step factors (every step) and of a periodic refresh (every K)."""
     rows = []
     for d in widths:
-        x = torch.randn(8192, d)
+        x, basis = torch.randn(tokens, d), initial_basis(d, low_rank)
+        current = median_seconds(lambda: whitening_from_sketch(input_sketch(x, basis), basis, 0.3), 3)
         start = time.perf_counter()
-        moment, tokens = second_moment(x)
+        moment, count = second_moment(x)
         stats = time.perf_counter() - start
         start = time.perf_counter()
-        factorize(moment / tokens, rank=rank)
-        rows.append((d, stats, time.perf_counter() - start))
-        print(f"  refresh d_in={d}: stats {stats:.2f}s, factorize {rows[-1][2]:.2f}s", flush=True)
+        factorize(moment / count, rank=low_rank)
+        rows.append((d, current, stats, time.perf_counter() - start))
+        print(f"  d_in={d}: current step {current:.3f}s; periodic refresh: statistics {stats:.2f}s, factorize {rows[-1][3]:.2f}s", flush=True)
     return rows
 
 
@@ -94,9 +101,9 @@ def main() -> None:
     ]
     print()
     print(tabulate(table, headers=["elements", "collective", "method", "codec", "MiB sent/rank", "x fp32 bytes", "median ms", "x fp32 time"]))
-    print("\nfactor refresh (8192 tokens, rank 32):")
+    print("\nfactors (8192 tokens per rank, rank 32):")
     widths = [1024, 4096] if args.quick else [1024, 4096, 16384]
-    print(tabulate(refresh_cost(widths), headers=["d_in", "statistics s", "factorize s"], floatfmt=".2f"))
+    print(tabulate(factor_cost(widths), headers=["d_in", "current step s (every step)", "periodic: statistics s", "periodic: factorize s"], floatfmt=".3f"))
 
 
 if __name__ == "__main__":

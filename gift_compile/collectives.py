@@ -158,9 +158,10 @@ def _unpack(messages: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Te
     return payload, scales
 
 
-class Fp8ReduceScatter(NamedTuple):
-    shard: torch.Tensor
-    """This rank's reduced rows, fp32, ``(shard_rows, *x.shape[1:])``."""
+class Fp8Reduction(NamedTuple):
+    reduced: torch.Tensor
+    """fp32: this rank's reduced rows ``(shard_rows, *x.shape[1:])`` (reduce-scatter) or the whole
+    reduced tensor (all-reduce)."""
     sent: torch.Tensor
     """What this rank's payload decodes to, fp32, shaped like ``x``: ``x - sent`` is the
     quantization error that error feedback carries to the next step."""
@@ -176,7 +177,7 @@ def encoding_stats(chunks: torch.Tensor, payload: torch.Tensor, sent: torch.Tens
     )
 
 
-def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8ReduceScatter:
+def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8Reduction:
     """Reduce-scatter ``x`` along dim 0 with FP8 payloads and per-sender scales."""
     group = resolve_group(group)
     _check(x, op)
@@ -192,7 +193,7 @@ def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -
         reduced = reduced / world
     shard = reduced[: lay.shard_rows].reshape(lay.shard_rows, *x.shape[1:])
     stats = encoding_stats(chunks, payload, sent, wire.fp8_format)
-    return Fp8ReduceScatter(shard, _unchunk(sent, lay, x.shape), stats)
+    return Fp8Reduction(shard, _unchunk(sent, lay, x.shape), stats)
 
 
 def _unchunk(chunks: torch.Tensor, lay: Layout, shape: torch.Size) -> torch.Tensor:
@@ -200,26 +201,31 @@ def _unchunk(chunks: torch.Tensor, lay: Layout, shape: torch.Size) -> torch.Tens
     return rows[: lay.rows].reshape(shape)
 
 
-def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> torch.Tensor:
-    """Gather equal shards of ``ceil(rows / world)`` rows in FP8; returns the first ``rows`` rows, fp32."""
+def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather equal shards of ``ceil(rows / world)`` rows in FP8, each quantized by its owner.
+
+    Returns the first ``rows`` rows of the gathered tensor (fp32) and what this rank's own
+    shard decodes to (``shard - own`` is its quantization error).
+    """
     group = resolve_group(group)
     world = _world(group)
     lay = layout((rows, *shard.shape[1:]), world, wire)
     chunk = _pad_to_scale_blocks(shard.reshape(1, lay.shard_rows, lay.cols).float(), lay)
     payload, scales = _encode(chunk, lay, wire, group)
+    own = _decode(payload, scales, lay, wire)[0, : lay.shard_rows].reshape(shard.shape)
     gathered = waited(funcol.all_gather_single(_pack(payload, scales), 0, group))
     decoded = _decode(*_unpack(gathered.reshape(world, -1), lay), lay, wire)
-    return _unchunk(decoded, lay, (rows, *shard.shape[1:]))
+    return _unchunk(decoded, lay, (rows, *shard.shape[1:])), own
 
 
-def fp8_all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8ReduceScatter:
+def fp8_all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8Reduction:
     """All-reduce = FP8 reduce-scatter, re-quantize the reduced shard, FP8 all-gather.
 
-    Returns the full reduced tensor (fp32, ``x``'s shape) in ``shard`` and what this rank sent.
+    Returns the full reduced tensor (fp32, ``x``'s shape) and what this rank sent.
     """
     scattered = fp8_reduce_scatter(x, op, group, wire)
-    full = fp8_all_gather(scattered.shard, x.shape[0], group, wire)
-    return Fp8ReduceScatter(full.reshape(x.shape), scattered.sent, scattered.stats)
+    full, _ = fp8_all_gather(scattered.reduced, x.shape[0], group, wire)
+    return Fp8Reduction(full.reshape(x.shape), scattered.sent, scattered.stats)
 
 
 def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.Tensor:
@@ -227,7 +233,7 @@ def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> to
     group = resolve_group(group)
     _check(x, op)
     if wire.dtype == "fp8":
-        return fp8_reduce_scatter(x, op, group, wire).shard.to(x.dtype)
+        return fp8_reduce_scatter(x, op, group, wire).reduced.to(x.dtype)
     world = _world(group)
     lay = layout(x.shape, world, WireFormat("fp32"))
     padded = _chunked(x, lay).reshape(world * lay.shard_rows, *x.shape[1:])
@@ -242,7 +248,7 @@ def all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.
     group = resolve_group(group)
     _check(x, op)
     if wire.dtype == "fp8":
-        return fp8_all_reduce(x, op, group, wire).shard.to(x.dtype)
+        return fp8_all_reduce(x, op, group, wire).reduced.to(x.dtype)
     reduced = waited(funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group)).float()
     if op == "avg":
         reduced = reduced / _world(group)
@@ -253,21 +259,34 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
-def bytes_sent(shape: tuple[int, ...], world: int, wire: WireFormat, collective: str) -> int:
+def bytes_sent(shape: tuple[int, ...], world: int, wire: WireFormat, collective: str, gather_dtype: str | None = None) -> int:
     """Bytes one rank puts on the wire for one ``collective`` ("reduce_scatter"/"all_reduce").
 
     FP8 counts the payload and scales sent to the ``world - 1`` peers (the self chunk never
     leaves the rank). Dense dtypes count a bandwidth-optimal ring: ``(world - 1) / world`` of
-    the tensor per reduce-scatter or all-gather phase.
+    the tensor per reduce-scatter or all-gather phase. ``gather_dtype`` (FP8 all-reduce only)
+    is the dtype of the all-gather phase when it differs from the wire's.
     """
     if collective not in ("reduce_scatter", "all_reduce"):
         raise ValueError(f"collective must be 'reduce_scatter' or 'all_reduce', got {collective!r}")
-    phases = 2 if collective == "all_reduce" else 1
     if wire.dtype != "fp8":
-        numel = math.prod(shape)
-        padded = -(-numel // world) * world if len(shape) else numel
-        element = 2 if wire.dtype == "bf16" else 4
-        return phases * (world - 1) * (padded // world) * element
+        return (2 if collective == "all_reduce" else 1) * _dense_phase_bytes(shape, world, wire.dtype)
     lay = layout(shape, world, wire)
     message = lay.chunk_numel + _SCALE_BYTES * (1 if wire.scaling == "tensor" else lay.blocks_per_chunk)
-    return phases * (world - 1) * message
+    scatter = (world - 1) * message
+    if collective == "reduce_scatter":
+        return scatter
+    if gather_dtype in (None, "fp8"):
+        return 2 * scatter
+    return scatter + (world - 1) * lay.shard_rows * lay.cols * 2  # bf16 shards, no padding to scale blocks
+
+
+def _dense_phase_bytes(shape: tuple[int, ...], world: int, dtype: str) -> int:
+    numel = math.prod(shape)
+    padded = -(-numel // world) * world if len(shape) else numel
+    return (world - 1) * (padded // world) * (2 if dtype == "bf16" else 4)
+
+
+def all_reduce_bytes(numel: int, world: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal fp32 all-reduce of ``numel`` floats (ring)."""
+    return 2 * _dense_phase_bytes((numel,), world, "fp32")

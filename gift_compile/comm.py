@@ -1,17 +1,26 @@
-"""One gradient's trip through a collective: the GIFT path and the Euclidean path.
+"""One gradient's trip through a collective: the FP8 path (whitened or Euclidean) and dense wires.
 
-Pure functions of tensors (factors and residual are arguments, not state), so the eager
+Pure functions of tensors (factors and residuals are arguments, not state), so the eager
 reference calls them directly and the FX pass traces them with ``make_fx`` and splices the
 result into the backward graph: one piece of code for both, Inductor fuses the traced ops.
 
-GIFT path for a weight gradient ``G`` of a selected Linear layer (Algorithm 1)::
+The FP8 path for a weight gradient ``G`` (Algorithm 1; ``T = I`` on the Euclidean path)::
 
-    U = G T                 whiten (input side: right-multiply, acts on each row alone)
-    V = U + R               error feedback, in whitened coordinates
-    Q = quantize(V)         FP8, this rank's own scales
-    S = sum_ranks deq(Q)    FP8 reduce-scatter / all-reduce (collectives.py)
-    R' = V - deq(Q)         what this rank failed to send, carried to the next step
-    G_hat = S T^-1          unwhiten the reduced (shard of the) gradient
+    U  = (G + R) T          whiten; R is this rank's error-feedback residual, kept in G's own
+                            coordinates, so a new T never needs a residual "move"
+    Q  = quantize(U)        FP8, this rank's own scales
+    S  = sum_ranks deq(Q)   FP8 reduce-scatter (collectives.py): this rank's rows, whitened
+    R' = (U - deq(Q)) T^-1  what this rank failed to send, in G's coordinates
+    G_hat = S T^-1          unwhiten this rank's rows of the reduced gradient
+
+An all-reduce is that reduce-scatter followed by an all-gather of the reduced shards, with
+``gather_dtype``:
+
+* ``fp8``: the owner of each shard re-quantizes it in whitened coordinates, with error feedback
+  of its own (``R2``, kept in G's coordinates: ``U2 = S + R2 T``), every rank decodes the
+  same bytes and unwhitens the whole tensor. Bit-identical on every rank because every rank
+  builds the same ``T`` (geometry.py).
+* ``bf16``: the owner unwhitens its shard (1/N of the work) and the shards travel in bf16.
 """
 
 from __future__ import annotations
@@ -19,72 +28,113 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
-from gift_compile.collectives import WireFormat, all_reduce, fp8_all_reduce, fp8_reduce_scatter, reduce_scatter
-from gift_compile.geometry import FACTOR_NAMES, Whitening
-from gift_compile.state import unwhiten, whiten
+from gift_compile.collectives import (
+    WireFormat,
+    all_reduce,
+    fp8_all_gather,
+    fp8_reduce_scatter,
+    layout,
+    reduce_scatter,
+    resolve_group,
+    waited,
+)
+from gift_compile.geometry import Whitening
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
+GATHER_DTYPES = ("fp8", "bf16")
+
+# Layout of Reduction.stats (one small fp32 tensor, so reading it never syncs per element).
+STATS = ("saturated", "flushed", "error_sq_wire", "sent_sq_wire", "error_sq", "payload_sq")
+"""``saturated``/``flushed``: FP8 boundary hits of this rank's encoding; ``*_wire``: squared norms
+of its round-trip error and of what it encoded, in the coordinates on the wire; ``error_sq``,
+``payload_sq``: the same in the gradient's own coordinates (``R'`` and ``G + R``)."""
 
 
 class Reduction(NamedTuple):
     output: torch.Tensor
     """The reduced gradient (all-reduce) or this rank's rows of it (reduce-scatter), in the input dtype."""
     residual: torch.Tensor | None
-    """The new error-feedback residual (GIFT path with error feedback), else None."""
+    """This rank's new error-feedback residual (``R'``, G's shape and coordinates), if it keeps one."""
+    gather_residual: torch.Tensor | None
+    """The owner's new residual of the all-gather re-quantization (its shard's rows), if it keeps one."""
     stats: torch.Tensor
-    """fp32 ``[saturated, flushed, ||err||^2, ||sent||^2]`` of this rank's FP8 encoding (zeros otherwise)."""
+    """fp32, laid out as :data:`STATS`."""
 
 
-def whitenings_from_list(kind: str, sides: tuple[str, ...], factors: list[torch.Tensor]) -> dict[str, Whitening]:
-    names = FACTOR_NAMES[kind]
-    if len(factors) != len(names) * len(sides):
-        raise ValueError(f"expected {len(names) * len(sides)} factor tensors for sides {sides}, got {len(factors)}")
-    return {
-        side: Whitening(kind, dict(zip(names, factors[i * len(names) : (i + 1) * len(names)])))
-        for i, side in enumerate(sides)
-    }
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
-def gift_reduce(
+def fp8_reduce(
     g: torch.Tensor,
-    factors: list[torch.Tensor],
+    whitening: Whitening | None,
     residual: torch.Tensor | None,
+    gather_residual: torch.Tensor | None,
     *,
-    kind: str,
-    sides: tuple[str, ...],
     op: str,
     group,
     wire: WireFormat,
     collective: str,
+    gather_dtype: str = "fp8",
 ) -> Reduction:
-    """Reduce one weight gradient in whitened coordinates (see the module docstring)."""
+    """Reduce one 2-D gradient through FP8 (module docstring). ``whitening=None`` is the
+    Euclidean path (``T = I``); ``residual`` / ``gather_residual`` turn error feedback on."""
     if g.dim() != 2:
-        raise ValueError(f"GIFT whitens 2-D Linear weight gradients, got shape {tuple(g.shape)}")
-    if collective == "reduce_scatter" and "output" in sides:
-        raise ValueError("output-side whitening mixes rows, so it cannot run before a dim-0 reduce-scatter; use side='input'")
-    whitenings = whitenings_from_list(kind, sides, factors)
-    sent_coords = whiten(g.float(), whitenings, sides)
-    if residual is not None:
-        sent_coords = sent_coords + residual
-    reduce = {"all_reduce": fp8_all_reduce, "reduce_scatter": fp8_reduce_scatter}[collective]
-    reduced, sent, stats = reduce(sent_coords, op, group, wire)
-    new_residual = None
-    if residual is not None:
-        error = sent_coords - sent
-        # A non-finite gradient already reaches the trainer through `reduced`; keeping it in
-        # the residual would poison every later step, so that step's error is dropped instead.
-        new_residual = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
-    return Reduction(unwhiten(reduced, whitenings, sides).to(g.dtype), new_residual, stats)
+        raise ValueError(f"the FP8 gradient path takes 2-D (d_out, d_in) gradients, got shape {tuple(g.shape)}")
+    _check_collective(collective)
+    if gather_dtype not in GATHER_DTYPES:
+        raise ValueError(f"gather_dtype must be one of {GATHER_DTYPES}, got {gather_dtype!r}")
+    group = resolve_group(group)
+    whiten = whitening.whiten if whitening is not None else _identity
+    unwhiten = whitening.unwhiten if whitening is not None else _identity
+
+    payload = g.float() if residual is None else g.float() + residual
+    sent_coords = whiten(payload)
+    scattered = fp8_reduce_scatter(sent_coords, op, group, wire)
+    error = unwhiten(sent_coords - scattered.sent)  # this rank's round trip, in G's coordinates
+    new_residual = _finite_or_zero(error) if residual is not None else None
+    stats = torch.cat([scattered.stats, torch.stack([error.square().sum(), payload.square().sum()])])
+
+    new_gather_residual = None
+    if collective == "reduce_scatter":
+        output = unwhiten(scattered.reduced)
+    elif gather_dtype == "bf16":
+        shard = unwhiten(scattered.reduced).to(torch.bfloat16)
+        gathered = waited(funcol.all_gather_single(shard, 0, group)).float()
+        output = gathered[: g.shape[0]]
+    else:
+        shard = scattered.reduced if gather_residual is None else scattered.reduced + whiten(gather_residual)
+        full, own = fp8_all_gather(shard, g.shape[0], group, wire)
+        if gather_residual is not None:
+            new_gather_residual = _finite_or_zero(unwhiten(shard - own))
+        output = unwhiten(full)
+    return Reduction(output.to(g.dtype), new_residual, new_gather_residual, stats)
 
 
-def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str) -> Reduction:
-    """Reduce a gradient as it is, through ``wire`` (FP8, bf16 or fp32)."""
+def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str, gather_dtype: str = "fp8") -> Reduction:
+    """Reduce a gradient as it is, with no state: FP8 (2-D), or bf16/fp32 (any shape)."""
+    if wire.dtype == "fp8":
+        return fp8_reduce(g, None, None, None, op=op, group=group, wire=wire, collective=collective, gather_dtype=gather_dtype)
+    _check_collective(collective)
+    reduce = all_reduce if collective == "all_reduce" else reduce_scatter
+    return Reduction(reduce(g, op, group, wire), None, None, g.new_zeros(len(STATS), dtype=torch.float32))
+
+
+def gather_residual_shape(shape: tuple[int, int], group) -> tuple[int, int]:
+    """Rows x cols of the all-gather residual one owner keeps (its padded shard of ``shape``)."""
+    lay = layout(shape, dist.get_world_size(resolve_group(group)), WireFormat())
+    return lay.shard_rows, lay.cols
+
+
+def _finite_or_zero(error: torch.Tensor) -> torch.Tensor:
+    # A non-finite gradient already reaches the trainer through the reduced output; keeping it
+    # in a residual would poison every later step, so that step's error is dropped instead.
+    return torch.where(torch.isfinite(error), error, torch.zeros_like(error))
+
+
+def _check_collective(collective: str) -> None:
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
-    if wire.dtype == "fp8":
-        reduce = fp8_all_reduce if collective == "all_reduce" else fp8_reduce_scatter
-        reduced, _, stats = reduce(g, op, group, wire)
-        return Reduction(reduced.to(g.dtype), None, stats)
-    reduce = all_reduce if collective == "all_reduce" else reduce_scatter
-    return Reduction(reduce(g, op, group, wire), None, g.new_zeros(4, dtype=torch.float32))

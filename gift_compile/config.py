@@ -2,23 +2,37 @@
 
 The same object drives the eager reference, the compiler pass and the torchtitan
 integration, so a TOML ``[gift]`` table, a ``--gift.<field>`` flag and a Python
-keyword all mean the same thing.
+keyword all mean the same thing. Choices derived from several fields (the storage layout of
+the factors, whether a layer keeps a residual) are properties here, computed in one place.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import textwrap
 import tomllib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 Fp8Format = Literal["e4m3", "e5m2"]
 Scaling = Literal["tensor", "row_block"]
-Side = Literal["input", "output", "both", "diag", "none"]
+FactorSource = Literal["current_step", "periodic"]
 Factorization = Literal["symmetric", "cholesky"]
+WhiteningLayout = Literal["dense", "lowrank"]
 EuclideanDtype = Literal["fp8", "bf16", "fp32"]
+GatherDtype = Literal["fp8", "bf16"]
 ScaleMode = Literal["per_rank", "global_max"]
+
+# Keys a [gift] table may still use, with the field that replaced them.
+DEPRECATED_KEYS = {"rank": "low_rank"}
+REMOVED_KEYS = {
+    "side": "GIFT whitens the input side only (G T_A, the paper's choice and the only one that commutes "
+    "with dim-0 sharding); the output/both/diag ablations live in benchmarks/fidelity.py",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,44 +50,67 @@ class GiftConfig:
     scale_block_rows: int = 128
     """Rows per scale when ``scaling == "row_block"``."""
 
-    side: Side = "input"
-    """Which K-FAC factor whitens the gradient. ``input`` (``G T_A``, the paper's choice and
-    the only one that commutes with dim-0 sharding), ``output`` (``T_B G``), ``both``,
-    ``diag`` (diagonal of A only, an ablation) or ``none`` (Euclidean FP8 with error feedback)."""
+    factor_source: FactorSource = "current_step"
+    """Where the whitening ``T ~ A^-1/2`` comes from. ``current_step``: this step's global layer
+    inputs, every step (a warm-started subspace iteration: each rank sends ``X^T X Q``, ``d_in x
+    low_rank`` floats, in one all-reduce placed right after the layer's forward). ``periodic``:
+    recomputed every ``refresh_interval`` steps from an EMA of ``A`` (the paper's schedule; its
+    factors go stale in between, see README)."""
 
     factorization: Factorization = "symmetric"
-    """How ``T ~ A^-1/2`` is built: ``symmetric`` (``A^-1/2``, ZCA) or ``cholesky`` (``L_A^-T``)."""
+    """``symmetric`` (``A^-1/2``, ZCA) or ``cholesky`` (``L_A^-T``, the paper's; ``periodic`` only)."""
 
-    rank: int | None = 32
-    """Rank of the low-rank approximation of A (top eigenpairs + isotropic rest). ``None``
-    uses the full matrix."""
+    low_rank: int | None = 32
+    """Rank of the approximation of ``A`` (top eigenpairs + isotropic rest); ``None`` or a value
+    >= the layer's ``d_in`` uses the full matrix. (TOML: ``rank`` is a deprecated alias.)"""
 
-    refresh_interval: int = 10
-    """K: the factors are recomputed every K steps from that step's layer inputs. The paper
-    uses 50; on our measurements (benchmarks/results/fidelity.md) the gain of fresh factors
-    is gone within ~10 steps on a fast-moving model."""
-
-    damping: float = 1e-1
-    """Added to A as ``damping * mean_eigenvalue(A) * I`` before factorizing. It bounds how
-    much a stale factor can amplify directions that had little input variance at the
-    refresh (1e-1 measured better than 1e-3 both fresh and stale), and keeps dead inputs finite."""
-
-    ema_decay: float = 0.5
-    """Weight of the previous A when a refresh mixes in new statistics (0 = forget)."""
+    damping: float = 0.3
+    """Added to ``A`` as ``damping * mean_eigenvalue(A) * I`` before factorizing. It bounds how much
+    the transform can amplify directions with little input variance (whose estimate is noisy),
+    and keeps dead inputs finite."""
 
     stats_max_tokens: int | None = 8192
-    """Tokens per rank used to estimate A at a refresh (evenly strided subsample);
-    ``None`` uses every token."""
+    """Tokens per rank used for the statistics of ``A`` (evenly strided subsample); ``None``: all."""
+
+    refresh_interval: int = 10
+    """``periodic`` only: K, the steps between factor refreshes (the paper uses 50)."""
+
+    ema_decay: float = 0.5
+    """``periodic`` only: weight of the previous ``A`` when a refresh mixes in new statistics."""
 
     error_feedback: bool = True
-    """Keep the quantization error of whitened gradients and add it back next step."""
+    """Whitened layers keep their quantization error and add it to the next step's gradient
+    (and, on the all-reduce route, the owner of each reduced shard does the same for the
+    second quantization)."""
+
+    euclidean_error_feedback: bool = False
+    """The same error feedback for the Linear layers that travel as Euclidean FP8."""
+
+    all_gather_dtype: GatherDtype = "fp8"
+    """All-reduce route only (replicate / DDP): the dtype of its second phase, the all-gather of
+    the reduced shards. ``fp8`` keeps 0.25x of fp32's bytes (the shard is re-quantized, with
+    error feedback at its owner); ``bf16`` sends 0.375x and adds almost no error."""
+
+    meter_interval: int = 10
+    """Every N steps, each whitened layer also measures a Euclidean FP8 round trip of the same
+    local gradient (codec only, no communication) and records the ratio of GIFT's round-trip
+    error (in the gradient's own coordinates) to it: ``error_vs_fp8`` in the counters."""
+
+    fallback: bool = True
+    """A whitened layer whose ``error_vs_fp8`` stays above 1 for ``fallback_patience``
+    measurements in a row is sent as Euclidean FP8 for ``fallback_retry`` steps, then retried."""
+
+    fallback_patience: int = 3
+    """Consecutive meter readings above 1 that switch a layer to its fallback."""
+
+    fallback_retry: int = 200
+    """Steps a layer stays on its fallback before GIFT is tried again."""
 
     layers: tuple[str, ...] | Literal["auto"] = ("w[qkvo]*",)
     """Linear layers sent in whitened coordinates (default: the attention projections ``wq``,
-    ``wk``, ``wv``, ``wo`` or a fused ``wqkv``, which gained most in our fidelity measurements;
-    the paper picks ``w2``). Each pattern is matched with ``fnmatch``
-    component by component against the trailing components of the dotted FQN, so ``"w2"``
-    selects ``layers.3.feed_forward.w2`` and ``"layers.[0-3].*.w2"`` the first four.
+    ``wk``, ``wv``, ``wo`` or a fused ``wqkv``; the paper picks ``w2``). Each pattern is matched
+    with ``fnmatch`` component by component against the trailing components of the dotted FQN,
+    so ``"w2"`` selects ``layers.3.feed_forward.w2`` and ``"layers.[0-3].*.w2"`` the first four.
     ``"auto"`` profiles FP8 boundary hits first (torchtitan integration)."""
 
     euclidean_dtype: EuclideanDtype = "fp8"
@@ -98,28 +135,42 @@ class GiftConfig:
         if isinstance(self.layers, list):
             object.__setattr__(self, "layers", tuple(self.layers))
         if self.layers != "auto":
-            if isinstance(self.layers, str) or not all(isinstance(p, str) and p for p in self.layers):
+            if not isinstance(self.layers, tuple) or not all(isinstance(p, str) and p for p in self.layers):
                 raise ValueError(
                     f"GiftConfig.layers={self.layers!r} is invalid; use 'auto' or a sequence of "
                     "non-empty fnmatch patterns such as ('w2',)"
                 )
-        _check_int("scale_block_rows", self.scale_block_rows, minimum=1)
-        _check_int("refresh_interval", self.refresh_interval, minimum=1)
-        _check_int("auto_profile_steps", self.auto_profile_steps, minimum=1)
-        if self.rank is not None:
-            _check_int("rank", self.rank, minimum=1)
-        if self.stats_max_tokens is not None:
-            _check_int("stats_max_tokens", self.stats_max_tokens, minimum=1)
-        if self.auto_max_layers is not None:
-            _check_int("auto_max_layers", self.auto_max_layers, minimum=1)
-        if not (isinstance(self.damping, (int, float)) and 0.0 < self.damping < 1e3):
-            raise ValueError(f"GiftConfig.damping={self.damping!r} is invalid; it must be a float in (0, 1000)")
-        if not (isinstance(self.ema_decay, (int, float)) and 0.0 <= self.ema_decay < 1.0):
-            raise ValueError(f"GiftConfig.ema_decay={self.ema_decay!r} is invalid; it must be a float in [0, 1)")
-        for name in ("enabled", "error_feedback"):
+        for name in ("scale_block_rows", "refresh_interval", "auto_profile_steps", "meter_interval",
+                     "fallback_patience", "fallback_retry"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("low_rank", "stats_max_tokens", "auto_max_layers"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        _check_float("damping", self.damping, low=0.0, high=1e3, closed_low=False)
+        _check_float("ema_decay", self.ema_decay, low=0.0, high=1.0, closed_low=True)
+        for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftConfig.{name}={getattr(self, name)!r} is invalid; it must be true or false")
+        if self.factor_source == "current_step" and self.factorization != "symmetric":
+            raise ValueError(
+                "GiftConfig.factorization='cholesky' needs factor_source='periodic'; the current-step "
+                "factors are symmetric (A^-1/2 from a subspace iteration)"
+            )
 
+    # -- derived choices -----------------------------------------------------------------------
+    @property
+    def whitening_layout(self) -> WhiteningLayout:
+        """How a whitened layer's factors are stored (``geometry.Whitening.kind``): symmetric
+        low rank (also current-step full rank) never forms a ``d x d`` matrix."""
+        if self.factor_source == "current_step" or (self.factorization == "symmetric" and self.low_rank is not None):
+            return "lowrank"
+        return "dense"
+
+    def factor_rank(self, d_in: int) -> int:
+        """The rank actually used for a layer with ``d_in`` inputs (full when ``low_rank`` is None or larger)."""
+        return d_in if self.low_rank is None else min(self.low_rank, d_in)
+
+    # -- construction --------------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -127,10 +178,7 @@ class GiftConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GiftConfig:
         """Build from a plain mapping (a parsed TOML table); unknown keys are an error."""
-        unknown = sorted(set(values) - set(cls.field_names()))
-        if unknown:
-            raise ValueError(f"unknown GIFT config key(s) {unknown}; valid keys: {cls.field_names()}")
-        return cls(**values)
+        return cls(**normalize_keys(values, "GIFT config", cls.field_names()))
 
     @classmethod
     def from_toml(cls, path: str | Path, table: str = "gift") -> GiftConfig:
@@ -146,17 +194,57 @@ class GiftConfig:
         return dataclasses.replace(self, **changes)
 
 
+def normalize_keys(values: dict[str, Any], what: str, valid: list[str]) -> dict[str, Any]:
+    """Map deprecated keys to their fields (with a warning) and reject unknown or removed ones."""
+    values = dict(values)
+    for old, new in DEPRECATED_KEYS.items():
+        if old in values:
+            if new in values:
+                raise ValueError(f"{what}: give {new!r} only; {old!r} is its deprecated alias")
+            warnings.warn(f"{what} key {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
+            values[new] = values.pop(old)
+    removed = sorted(set(values) & set(REMOVED_KEYS))
+    if removed:
+        raise ValueError(f"{what} key {removed[0]!r} was removed: {REMOVED_KEYS[removed[0]]}")
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {what} key(s) {unknown}; valid keys: {valid}")
+    return values
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` of a dataclass whose fields carry a string literal below them
+    (the convention here; it keeps help texts, README and code in one place)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"GiftConfig.{name}={value!r} is invalid; it must be an integer >= {minimum}")
 
 
+def _check_float(name: str, value: Any, *, low: float, high: float, closed_low: bool) -> None:
+    # bool is an int in Python: `damping = true` must not pass as 1.0.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (low <= value if closed_low else low < value) and value < high
+    if not ok:
+        bracket = "[" if closed_low else "("
+        raise ValueError(f"GiftConfig.{name}={value!r} is invalid; it must be a number in {bracket}{low:g}, {high:g})")
+
+
 _LITERAL_FIELDS: dict[str, tuple[str, ...]] = {
     "fp8_format": get_args(Fp8Format),
     "scaling": get_args(Scaling),
-    "side": get_args(Side),
+    "factor_source": get_args(FactorSource),
     "factorization": get_args(Factorization),
     "euclidean_dtype": get_args(EuclideanDtype),
+    "all_gather_dtype": get_args(GatherDtype),
     "scale_mode": get_args(ScaleMode),
 }
 

@@ -25,9 +25,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from gift_compile.geometry import Whitening, factorize, second_moment
+from gift_compile.geometry import Whitening, damp, factorize, second_moment
 from gift_compile.numerics import fidelity, fp4_e2m1_round_trip, fp8_round_trip
-from gift_compile.state import unwhiten, whiten
 
 #: Wire formats a round trip can use: FP8 per-tensor scale, or emulated FP4 E2M1 per block.
 CODECS: tuple[str, ...] = ("e4m3", "e5m2", "fp4_b16", "fp4_b32")
@@ -87,10 +86,34 @@ def build_transform(
         rank = method.rank
         if rank is not None and rank >= moments[side].shape[0]:
             rank = None  # rank >= d is the full matrix
-        transform[side] = factorize(
-            moments[side], factorization=method.factorization, rank=rank, damping=damping, diagonal=method.diagonal
-        )
+        if method.diagonal:
+            transform[side] = diagonal_whitening(moments[side], damping)
+        else:
+            transform[side] = factorize(moments[side], factorization=method.factorization, rank=rank, damping=damping)
     return transform
+
+
+def diagonal_whitening(moment: torch.Tensor, damping: float) -> Whitening:
+    """``T = diag(A)^-1/2`` (the paper's ablation without cross-dimension correlation), stored dense."""
+    diag = torch.diagonal(damp(moment.double(), damping))
+    return Whitening("dense", {"T": torch.diag(diag.rsqrt()).float(), "T_inv": torch.diag(diag.sqrt()).float()})
+
+
+def whiten(g: torch.Tensor, whitenings: dict[str, Whitening], sides: tuple[str, ...]) -> torch.Tensor:
+    """``T_B^T G T_A`` restricted to ``sides`` (input side acts on rows, output side on columns)."""
+    if "input" in sides:
+        g = whitenings["input"].whiten(g)
+    if "output" in sides:
+        g = whitenings["output"].whiten(g.T).T
+    return g
+
+
+def unwhiten(u: torch.Tensor, whitenings: dict[str, Whitening], sides: tuple[str, ...]) -> torch.Tensor:
+    if "output" in sides:
+        u = whitenings["output"].unwhiten(u.T).T
+    if "input" in sides:
+        u = whitenings["input"].unwhiten(u)
+    return u
 
 
 def round_trip(g: torch.Tensor, transform: dict[str, Whitening], fmt: str) -> torch.Tensor:

@@ -3,16 +3,25 @@
 A weight gradient ``G`` (``d_out x d_in``) is sent as ``U = G T`` and recovered as
 ``G = U T^-1``. Every transform here is a right-multiplication, so it acts on each row of
 ``G`` independently: rows can be sharded (FSDP's dim-0 reduce-scatter) before or after it.
-Output-side transforms act on columns instead (``T_B^T G``) and are kept for ablations.
 
-Factorizations (all of the damped ``A``):
+Storage layouts (``Whitening.kind``):
 
-* ``cholesky``  ``A = L L^T``, ``T = L^-T``, ``T^-1 = L^T`` (the paper's choice).
-* ``symmetric`` ``T = A^-1/2``, ``T^-1 = A^1/2`` (ZCA whitening).
-* low rank      top-``r`` eigenpairs ``(V, l)`` plus an isotropic rest ``sigma`` (mean of the
-                other eigenvalues). Symmetric low rank is applied without any ``d x d`` matrix:
-                ``G T = G / sqrt(sigma) + ((G V) * (l^-1/2 - sigma^-1/2)) V^T``.
-* ``diag``      ``T = diag(A)^-1/2`` (the paper's ablation: no cross-dimension correlation).
+* ``dense``    ``T`` and ``T^-1`` as ``d x d`` matrices: full symmetric ``A^-1/2`` or Cholesky
+               ``L^-T`` (``T^-1 = L^T``, the paper's choice).
+* ``lowrank``  top-``r`` eigenpairs ``(V, l)`` of ``A`` plus an isotropic rest ``sigma`` (mean of
+               the other eigenvalues), applied without any ``d x d`` matrix:
+               ``G T = G / sqrt(sigma) + ((G V) * (l^-1/2 - sigma^-1/2)) V^T``. With ``r = d``
+               there is no rest (``scale = 0``) and this is the full ``A^-1/2``.
+
+Where the factors come from:
+
+* ``factorize(A)``: from a second moment (the ``periodic`` refresh, and benchmarks).
+* ``input_sketch`` + ``whitening_from_sketch``: from *this step's* inputs, by one step of a
+  warm-started subspace iteration. Each rank sends ``X_r^T (X_r Q)`` (``d x r``) plus its
+  ``sum x^2`` and token count in one all-reduce; every rank then runs Rayleigh-Ritz on the
+  previous basis ``Q`` with the summed sketch (``Q^T A Q = Q^T W / n``) for this step's
+  eigenpairs, and orthonormalizes ``W = A Q`` as the next step's ``Q``. All ranks see the same
+  summed bytes and run the same ops, so they build bit-identical ``T``.
 """
 
 from __future__ import annotations
@@ -22,21 +31,27 @@ from dataclasses import dataclass
 
 import torch
 
-# Above this dimension the top eigenpairs come from subspace iteration, not a full eigh.
+# Above this dimension the top eigenpairs of a periodic refresh come from subspace iteration,
+# not a full eigh.
 EIGH_MAX_DIM = 2048
+
+
+def token_rows(x: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
+    """The rows of ``x`` (``(..., d)``) as ``(tokens, d)``; with ``max_tokens``, an evenly
+    strided subsample of at most that many (a static stride: no data-dependent shapes)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if max_tokens is not None and rows.shape[0] > max_tokens:
+        rows = rows[:: math.ceil(rows.shape[0] / max_tokens)]
+    return rows
 
 
 def second_moment(x: torch.Tensor, max_tokens: int | None = None) -> tuple[torch.Tensor, int]:
     """``(sum_t x_t x_t^T, tokens)`` in fp32 over the rows of ``x`` (``(..., d)``).
 
-    With ``max_tokens``, an evenly strided subsample of at most that many tokens is used;
-    the count returned is the number actually used, so sums from ranks or steps with
-    different token counts combine into a token-weighted mean.
+    The count returned is the number of tokens actually used, so sums from ranks or steps
+    with different token counts combine into a token-weighted mean.
     """
-    rows = x.reshape(-1, x.shape[-1])
-    if max_tokens is not None and rows.shape[0] > max_tokens:
-        rows = rows[:: math.ceil(rows.shape[0] / max_tokens)]
-    rows = rows.float()
+    rows = token_rows(x, max_tokens).float()
     return rows.T @ rows, rows.shape[0]
 
 
@@ -51,8 +66,12 @@ def damp(a: torch.Tensor, damping: float) -> torch.Tensor:
 FACTOR_NAMES = {
     "dense": ("T", "T_inv"),
     "lowrank": ("basis", "coef", "coef_inv", "scale", "scale_inv"),
-    "diag": ("scale", "scale_inv"),
 }
+
+
+def factor_shapes(kind: str, d: int, rank: int) -> list[tuple[int, ...]]:
+    """Shapes of a ``Whitening``'s tensors, in ``FACTOR_NAMES`` order."""
+    return {"dense": [(d, d), (d, d)], "lowrank": [(d, rank), (rank,), (rank,), (), ()]}[kind]
 
 
 @dataclass(frozen=True)
@@ -62,9 +81,8 @@ class Whitening:
     ``kind`` says which tensors are meaningful:
 
     * ``dense``:   ``T`` (``d x d``) and ``T_inv``.
-    * ``lowrank``: ``basis`` (``d x r``), ``coef``/``coef_inv`` (``r``), ``scale``/``scale_inv`` (0-d):
-      ``G T = G * scale + ((G basis) * coef) basis^T``.
-    * ``diag``:    ``scale``/``scale_inv`` (``d``).
+    * ``lowrank``: ``basis`` (``d x r``, orthonormal), ``coef``/``coef_inv`` (``r``),
+      ``scale``/``scale_inv`` (0-d): ``G T = G * scale + ((G basis) * coef) basis^T``.
     """
 
     kind: str
@@ -86,6 +104,24 @@ class Whitening:
     def dim(self) -> int:
         return self.tensors[FACTOR_NAMES[self.kind][0]].shape[0]
 
+    @classmethod
+    def from_list(cls, kind: str, tensors: list[torch.Tensor]) -> Whitening:
+        names = FACTOR_NAMES[kind]
+        if len(tensors) != len(names):
+            raise ValueError(f"a {kind} whitening has {len(names)} factor tensors {names}, got {len(tensors)}")
+        return cls(kind, dict(zip(names, tensors)))
+
+    def or_identity(self, on: torch.Tensor) -> Whitening:
+        """This transform where ``on == 1`` and ``T = I`` where ``on == 0`` (a 0-d float), with no
+        branch on the value: a layer switched to its Euclidean fallback runs the same graph."""
+        t = self.tensors
+        if self.kind == "dense":
+            eye = torch.eye(self.dim, dtype=t["T"].dtype, device=t["T"].device)
+            return Whitening("dense", {"T": t["T"] * on + eye * (1 - on), "T_inv": t["T_inv"] * on + eye * (1 - on)})
+        blended = {name: t[name] * on for name in ("coef", "coef_inv")}
+        blended.update({name: t[name] * on + (1 - on) for name in ("scale", "scale_inv")})
+        return Whitening("lowrank", {"basis": t["basis"], **blended})
+
 
 def _apply(kind: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool) -> torch.Tensor:
     if g.dim() != 2:
@@ -96,40 +132,106 @@ def _apply(kind: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: b
     if kind == "lowrank":
         basis = t["basis"]
         return g * t["scale" + suffix] + ((g @ basis) * t["coef" + suffix]) @ basis.T
-    if kind == "diag":
-        return g * t["scale" + suffix]
     raise ValueError(f"unknown whitening kind {kind!r}")
 
 
-def identity_whitening(kind: str, dim: int, rank: int | None = None) -> Whitening:
+def identity_whitening(kind: str, dim: int, rank: int) -> Whitening:
     """The transform ``T = I`` in the storage layout of ``kind`` (factors before the first refresh)."""
     if kind == "dense":
         eye = torch.eye(dim)
         return Whitening("dense", {"T": eye, "T_inv": eye.clone()})
     if kind == "lowrank":
-        r = rank if rank is not None else dim
+        zeros = torch.zeros(rank)
         return Whitening(
             "lowrank",
-            {
-                "basis": torch.zeros(dim, r),
-                "coef": torch.zeros(r),
-                "coef_inv": torch.zeros(r),
-                "scale": torch.ones(()),
-                "scale_inv": torch.ones(()),
-            },
+            {"basis": initial_basis(dim, rank), "coef": zeros, "coef_inv": zeros.clone(), "scale": torch.ones(()), "scale_inv": torch.ones(())},
         )
-    if kind == "diag":
-        return Whitening("diag", {"scale": torch.ones(dim), "scale_inv": torch.ones(dim)})
     raise ValueError(f"unknown whitening kind {kind!r}")
 
 
-def whitening_kind(factorization: str, rank: int | None, diagonal: bool = False) -> str:
-    """Storage layout used for a configuration: symmetric low rank never forms ``d x d``."""
-    if diagonal:
-        return "diag"
-    if factorization == "symmetric" and rank is not None:
-        return "lowrank"
-    return "dense"
+def initial_basis(dim: int, rank: int, *, seed: int = 0) -> torch.Tensor:
+    """An orthonormal ``dim x rank`` start for the subspace iteration: a seeded Gaussian,
+    orthonormalized, so every rank (and a restarted run) starts from the same basis."""
+    gaussian = torch.randn(dim, rank, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.linalg.qr(gaussian).Q.float().contiguous()
+
+
+# ----------------------------------------------------------------------------- current step
+
+
+def sketch_numel(dim: int, rank: int) -> int:
+    """Floats in one rank's ``input_sketch``: ``X^T X Q`` plus ``sum x^2`` and the token count."""
+    return dim * rank + 2
+
+
+# The two functions below run as opaque custom ops (eagerly, also inside a compiled graph):
+# they are small (an r x r eigh, a d x r QR, two skinny matmuls) and hold reductions whose
+# order Inductor would change, so the compiled graph and the eager reference stay bit-identical.
+
+
+@torch.library.custom_op("gift::input_sketch", mutates_args=())
+def input_sketch(x: torch.Tensor, basis: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
+    """This rank's share of the current-step statistics, packed for one sum all-reduce:
+    ``[X^T (X Q) (d*r), sum x^2, tokens]`` in fp32. Costs ``4 tokens d r`` flops, no ``d x d``."""
+    rows = token_rows(x, max_tokens).float()
+    projected = rows.T @ (rows @ basis)
+    extras = torch.stack([rows.square().sum(), torch.full((), rows.shape[0], dtype=torch.float32, device=rows.device)])
+    return torch.cat([projected.reshape(-1), extras])
+
+
+@input_sketch.register_fake
+def _(x, basis, max_tokens=None):
+    return basis.new_empty(sketch_numel(*basis.shape))
+
+
+@torch.library.custom_op("gift::whitening_from_sketch", mutates_args=())
+def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, damping: float) -> list[torch.Tensor]:
+    d, r = basis.shape
+    # No host sync on a bad value: a non-finite sketch is zeroed for the factorizations (LAPACK
+    # rejects NaN), its NaN is added back to every factor, and the previous basis is kept.
+    finite = torch.isfinite(sketch).all()
+    poison = sketch.double().sum() * 0.0  # 0, or NaN when the sketch is not finite
+    sketch = torch.where(torch.isfinite(sketch), sketch, torch.zeros_like(sketch))
+    tokens = sketch[-1].clamp_min(1.0).double()
+    w = sketch[: d * r].reshape(d, r)
+    rayleigh = (basis.T @ w).double() / tokens
+    values, vectors = torch.linalg.eigh((rayleigh + rayleigh.T) / 2)
+    values = values.flip(0).clamp_min(0.0)
+    ritz = basis.double() @ vectors.flip(1)
+    trace = sketch[-2].double() / tokens
+    shift = damping * (trace / d).clamp_min(1e-30)
+    damped = values + shift
+    if r < d:
+        rest = ((trace - values.sum()) / (d - r)).clamp_min(0.0) + shift
+        scale, scale_inv = rest.rsqrt(), rest.sqrt()
+    else:  # full rank: no isotropic rest
+        scale = scale_inv = torch.zeros((), dtype=torch.float64, device=sketch.device)
+    next_basis = torch.where(finite, torch.linalg.qr(w.double()).Q, basis.double())
+    factors = [ritz, damped.rsqrt() - scale, damped.sqrt() - scale_inv, scale, scale_inv]
+    return [(t + poison).float().contiguous() for t in factors] + [next_basis.float().contiguous()]
+
+
+@_whitening_from_sketch.register_fake
+def _(sketch, basis, damping):
+    d, r = basis.shape
+    return [basis.new_empty(shape) for shape in ((d, r), (r,), (r,), (), (), (d, r))]
+
+
+def whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, damping: float) -> tuple[Whitening, torch.Tensor]:
+    """``(T, next basis)`` from the all-reduced ``input_sketch`` of every rank.
+
+    With ``W = A Q`` (``A`` the token mean of ``x x^T`` over all ranks), Rayleigh-Ritz on the
+    orthonormal ``Q`` gives eigenpairs of ``Q^T A Q = Q^T W``; the rest of the spectrum is
+    ``sigma = (tr A - sum l) / (d - r)``. Both are damped by ``damping * tr(A) / d``. The next
+    basis is ``qr(W)``: one more subspace-iteration step, with this step's inputs. A non-finite
+    sketch (a NaN input) keeps the previous basis, so one bad step cannot poison later ones
+    (its transform is NaN, and so is the gradient it reduces: visible, never hidden).
+    """
+    *factors, next_basis = torch.ops.gift.whitening_from_sketch(sketch, basis, damping)
+    return Whitening.from_list("lowrank", factors), next_basis
+
+
+# ----------------------------------------------------------------------------- periodic
 
 
 def top_eigenpairs(a: torch.Tensor, rank: int, *, seed: int = 0, iterations: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +259,6 @@ def factorize(
     factorization: str = "symmetric",
     rank: int | None = None,
     damping: float = 1e-3,
-    diagonal: bool = False,
     seed: int = 0,
 ) -> Whitening:
     """Build ``(T, T^-1)`` from a second moment ``a`` (``d x d``); fp64 inside, fp32 out."""
@@ -170,17 +271,13 @@ def factorize(
     # which fp32 serves well at a quarter of the memory (16384^2 fp64 would be 2 GiB).
     a = damp(a.double() if d <= EIGH_MAX_DIM else a.float(), damping)
     a = (a + a.T) / 2
-    kind = whitening_kind(factorization, rank, diagonal)
-    if kind == "diag":
-        diag = torch.diagonal(a)
-        return _to_fp32("diag", {"scale": diag.rsqrt(), "scale_inv": diag.sqrt()})
     if rank is not None:
         values, basis = top_eigenpairs(a, rank, seed=seed)
         values = values.clamp_min(1e-300)
         rest = d - rank
         sigma = (torch.diagonal(a).sum() - values.sum()) / rest if rest else values.mean()
         sigma = sigma.clamp_min(values.min() * 1e-12 if rest else 1e-300)
-        if kind == "lowrank":
+        if factorization == "symmetric":
             return _to_fp32(
                 "lowrank",
                 {

@@ -1,15 +1,18 @@
-"""Eager reference of GIFT data parallelism: the readable oracle for the compiled path.
+"""Eager GIFT data parallelism: the readable counterpart of the compiled path.
 
-``GiftReference`` watches a model's selected Linear layers (forward hooks keep their inputs
-for the K-FAC statistics) and, after ``loss.backward()``, replaces every ``.grad`` by its
+``GiftReference`` watches a model's Linear layers (forward hooks keep the inputs of the
+layers that need them) and, after ``loss.backward()``, replaces every ``.grad`` by its
 average over the process group:
 
-* weights of selected Linear layers: the GIFT path (``comm.gift_reduce``), with the layer's
-  state refreshed every ``refresh_interval`` steps;
-* weights of the other Linear layers: ``config.euclidean_dtype`` on the wire (FP8 default);
+* weights of selected Linear layers: the GIFT path (``layer_step``), with the layer's state
+  in a ``GiftRuntime`` exactly as the compiled graph keeps it;
+* weights of the other Linear layers: ``config.euclidean_dtype`` on the wire (FP8 default,
+  with error feedback when ``euclidean_error_feedback``);
 * every other parameter (biases, norms, embeddings): an exact fp32 all-reduce.
 
-No gradient is ever left unreduced.
+No gradient is ever left unreduced. It runs the same ``layer_step`` code as the compiled
+graph, so the two agree bit for bit; the algorithm itself is checked against an independent
+float64 oracle in the tests.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import torch
 from torch import nn
 
 from gift_compile.collectives import WireFormat, resolve_group
-from gift_compile.comm import euclidean_reduce, gift_reduce
+from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
+from gift_compile.layer_step import LayerPlan, step_eagerly
+from gift_compile.runtime import GiftRuntime
 from gift_compile.selection import linear_fqns, select_layers
-from gift_compile.state import GiftState
 
 _FP32 = WireFormat("fp32")
 
@@ -31,34 +35,25 @@ class GiftReducer:
 
     def __init__(self, config: GiftConfig, group=None) -> None:
         self.config, self.group = config, resolve_group(group)
-        self.state = GiftState(config)
+        self.runtime = GiftRuntime(config)
+
+    @property
+    def state(self):
+        return self.runtime.state
 
     def reduce_layer(
         self,
         fqn: str,
         grad: torch.Tensor,
-        layer_input: torch.Tensor | None,
-        grad_output: torch.Tensor | None = None,
+        layer_input: torch.Tensor,
         *,
         op: str = "avg",
         collective: str = "all_reduce",
+        whitened: bool = True,
     ) -> torch.Tensor:
-        """One GIFT step of one layer: refresh if due, reduce, keep the residual, count the step."""
-        layer = self.state.layer(fqn, *grad.shape, grad.device)
-        layer.begin_step(layer_input, grad_output, self.group)
-        reduced, new_residual, _ = gift_reduce(
-            grad,
-            layer.factor_tensors(),
-            layer.residual,
-            kind=layer.kind,
-            sides=layer.sides,
-            op=op,
-            group=self.group,
-            wire=WireFormat.gift(self.config),
-            collective=collective,
-        )
-        layer.end_step(new_residual)
-        return reduced
+        """One step of one layer (``whitened=False``: Euclidean FP8 with error feedback)."""
+        plan = LayerPlan(fqn, grad.shape[0], grad.shape[1], whitened, collective, op, self.group.group_name, self.config)
+        return step_eagerly(plan, self.runtime, grad, layer_input)
 
 
 class GiftReference(GiftReducer):
@@ -71,24 +66,15 @@ class GiftReference(GiftReducer):
         self.model = model
         self.linears = linear_fqns(model)
         self.selected = select_layers(self.linears, config.layers) if config.enabled else []
+        self.stateful_euclidean = config.enabled and config.euclidean_dtype == "fp8" and config.euclidean_error_feedback
         self._inputs: dict[str, torch.Tensor] = {}
-        self._grad_outputs: dict[str, torch.Tensor] = {}
         modules = dict(model.named_modules())
-        self._hooks = []
-        for fqn in self.selected:
-            self._hooks.append(modules[fqn].register_forward_hook(self._keep_input(fqn)))
-            if config.side in ("output", "both"):
-                self._hooks.append(modules[fqn].register_full_backward_hook(self._keep_grad_output(fqn)))
+        watched = self.linears if self.stateful_euclidean else self.selected
+        self._hooks = [modules[fqn].register_forward_hook(self._keep_input(fqn)) for fqn in watched]
 
     def _keep_input(self, fqn: str):
         def hook(module, args, output):
             self._inputs[fqn] = args[0].detach()
-
-        return hook
-
-    def _keep_grad_output(self, fqn: str):
-        def hook(module, grad_input, grad_output):
-            self._grad_outputs[fqn] = grad_output[0].detach()
 
         return hook
 
@@ -101,11 +87,13 @@ class GiftReference(GiftReducer):
             if param.grad is None:
                 continue
             fqn = linear_weights.get(name)
-            if fqn in self.selected:
-                param.grad = self.reduce_layer(fqn, param.grad, self._inputs.pop(fqn, None), self._grad_outputs.pop(fqn, None), op=op)
-            else:
-                wire = euclidean if fqn is not None else _FP32
-                param.grad = euclidean_reduce(param.grad, op=op, group=self.group, wire=wire, collective="all_reduce").output
+            if fqn is not None and (fqn in self.selected or self.stateful_euclidean):
+                layer_input = self._inputs.pop(fqn).reshape(-1, param.grad.shape[1])
+                param.grad = self.reduce_layer(fqn, param.grad, layer_input, op=op, whitened=fqn in self.selected)
+                continue
+            wire = euclidean if fqn is not None else _FP32
+            param.grad = euclidean_reduce(param.grad, op=op, group=self.group, wire=wire, collective="all_reduce",
+                                          gather_dtype=self.config.all_gather_dtype).output
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -1,16 +1,22 @@
-"""Per-layer GIFT state: second moments, factors, error-feedback residual, step counter.
+"""Per-layer GIFT state: subspace basis or factors, error-feedback residuals, step counter, fallback.
 
 All of it lives in buffers of an ``nn.Module``, so ``state_dict()`` checkpoints it and
 ``load_state_dict()`` restores it exactly. The compiled path reaches it at run time through
-opaque custom ops keyed by the layer's FQN (DESIGN.md decision 5), never as graph constants.
+opaque custom ops keyed by the layer's FQN (``ops.py``), never as graph constants: factors
+change every step, and Inductor's FX graph cache replays a graph without re-running the pass.
 
-Refresh (every ``refresh_interval`` steps, on every rank of the group at the same step):
+What a layer keeps depends on ``GiftConfig`` and on whether the layer is whitened:
 
-1. ``sum x x^T`` and the token count of this step's layer inputs, all-reduced over the group,
-   give the token-weighted mean ``A`` (mixed into the previous one with ``ema_decay``).
-2. Every rank factorizes the same ``A``; rank 0's factors are then broadcast so that every
-   rank whitens with bit-identical ``T`` (sums in whitened coordinates need it: decision 3).
-3. The residual is moved into the new coordinates: ``R <- (R T_old^-1) T_new``.
+* ``factor_source = "current_step"``: ``basis``, the ``d_in x r`` subspace the next step's
+  Rayleigh-Ritz starts from (``geometry.whitening_from_sketch``).
+* ``factor_source = "periodic"``: ``moment`` (the EMA of ``A``) and the factor tensors
+  (``factor_<name>``), recomputed every ``refresh_interval`` steps by :meth:`refresh`: ``A`` is
+  all-reduced over the group, factorized, and rank 0's factors are broadcast, so every rank
+  whitens with bit-identical ``T``.
+* ``residual``: the sender's error-feedback residual, in the gradient's own coordinates (so it
+  needs no "move" when ``T`` changes); ``gather_residual``: the owner's residual of the
+  all-reduce route's second quantization (its shard's rows), created on first use.
+* ``fallback_until`` / ``meter_over``: the live fidelity meter's verdict (see :meth:`record_meter`).
 """
 
 from __future__ import annotations
@@ -24,32 +30,13 @@ from torch import nn
 
 from gift_compile.collectives import resolve_group
 from gift_compile.config import GiftConfig
-from gift_compile.geometry import FACTOR_NAMES, Whitening, factorize, identity_whitening, second_moment, whitening_kind
+from gift_compile.geometry import FACTOR_NAMES, Whitening, factorize, identity_whitening, initial_basis, second_moment
 
 log = logging.getLogger(__name__)
 
-# Which K-FAC sides a ``GiftConfig.side`` whitens.
-SIDES = {"input": ("input",), "output": ("output",), "both": ("input", "output"), "diag": ("input",), "none": ()}
-
-
-def factor_shapes(config: GiftConfig, d_out: int, d_in: int) -> list[tuple[int, ...]]:
-    """Shapes of ``GiftLayerState.factor_tensors()`` without building the state."""
-    kind = whitening_kind(config.factorization, config.rank, config.side == "diag")
-    shapes = []
-    for side in SIDES[config.side]:
-        dim = d_in if side == "input" else d_out
-        rank = config.rank if config.rank is not None else dim
-        shapes += {
-            "dense": [(dim, dim), (dim, dim)],
-            "lowrank": [(dim, rank), (rank,), (rank,), (), ()],
-            "diag": [(dim,), (dim,)],
-        }[kind]
-    return shapes
-
-
-# Host-side bookkeeping: Python reads these every step (is a refresh due?) and at load time,
-# which must never wait for a GPU. Everything else lives on the device of the layer's gradient.
-HOST_BUFFERS = ("shape", "step", "refreshes")
+# Host-side bookkeeping: Python reads these every step (is a refresh due? is the layer on its
+# fallback?), which must never wait for a GPU. Everything else lives on the gradient's device.
+HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over")
 
 
 def state_key(fqn: str) -> str:
@@ -58,28 +45,32 @@ def state_key(fqn: str) -> str:
 
 
 class GiftLayerState(nn.Module):
-    def __init__(self, fqn: str, d_out: int, d_in: int, config: GiftConfig, device: torch.device | None = None) -> None:
+    def __init__(
+        self, fqn: str, d_out: int, d_in: int, config: GiftConfig, *, whitened: bool = True, device: torch.device | None = None
+    ) -> None:
         super().__init__()
-        self.fqn, self.d_out, self.d_in, self.config = fqn, d_out, d_in, config
+        self.fqn, self.d_out, self.d_in, self.config, self.whitened = fqn, d_out, d_in, config, whitened
         self.device = torch.device("cpu") if device is None else device
-        self.sides = SIDES[config.side]
-        for side in self.sides:
-            dim = self.dim(side)
-            if config.rank is not None and config.side != "diag" and config.rank > dim:
-                raise ValueError(
-                    f"GiftConfig.rank={config.rank} exceeds the {side} dimension {dim} of layer {fqn!r}; "
-                    f"use rank <= {dim} or rank=None"
-                )
-            self.register_buffer(f"{side}_moment", torch.zeros(dim, dim, device=self.device))
-            for name, tensor in identity_whitening(self.kind, dim, config.rank).tensors.items():
-                self.register_buffer(f"{side}_{name}", tensor.to(self.device))
-        self.register_buffer("residual", torch.zeros(d_out, d_in, device=self.device) if config.error_feedback else None)
-        self.register_buffer("shape", torch.tensor([d_out, d_in]))  # lets a checkpoint rebuild the layer
-        self.register_buffer("step", torch.zeros((), dtype=torch.int64))
-        self.register_buffer("refreshes", torch.zeros((), dtype=torch.int64))
+        self.rank = config.factor_rank(d_in)
+        if whitened and config.factor_source == "current_step":
+            self.register_buffer("basis", initial_basis(d_in, self.rank).to(self.device))
+        elif whitened:
+            self.register_buffer("moment", torch.zeros(d_in, d_in, device=self.device))
+            for name, tensor in identity_whitening(config.whitening_layout, d_in, self.rank).tensors.items():
+                self.register_buffer(f"factor_{name}", tensor.to(self.device))
+        keeps_residual = config.error_feedback if whitened else config.euclidean_error_feedback
+        self.register_buffer("residual", torch.zeros(d_out, d_in, device=self.device) if keeps_residual else None)
+        self.register_buffer("gather_residual", None)  # all-reduce route: created with its shard shape
+        self.register_buffer("shape", torch.tensor([d_out, d_in, int(whitened)]))  # lets a checkpoint rebuild the layer
+        for name in ("step", "refreshes", "fallback_until", "meter_over"):
+            self.register_buffer(name, torch.zeros((), dtype=torch.int64))
+        self.last_error_vs_fp8: float | None = None
+        self._shape_checked = False
+        self._pending_meter: torch.Tensor | None = None
 
+    # -- placement -----------------------------------------------------------------------------
     def place_on(self, device: torch.device) -> None:
-        """Move the tensors the gradient meets (factors, moments, residual) to its device.
+        """Move the tensors the gradient meets (basis/factors, residuals) to its device.
 
         A layer created before its first gradient (a checkpoint load, a torchtitan session)
         may sit elsewhere; the refresh collectives then also run on ``device``, where the
@@ -99,104 +90,135 @@ class GiftLayerState(nn.Module):
             self.device = moved[0].device
         return self
 
-    @property
-    def kind(self) -> str:
-        return whitening_kind(self.config.factorization, self.config.rank, self.config.side == "diag")
-
-    def dim(self, side: str) -> int:
-        return self.d_in if side == "input" else self.d_out
-
-    def whitening(self, side: str) -> Whitening:
-        prefix = f"{side}_"
-        return Whitening(self.kind, {name: getattr(self, prefix + name) for name in FACTOR_NAMES[self.kind]})
+    # -- what a step reads -----------------------------------------------------------------------
+    def whitening(self) -> Whitening:
+        """The periodic factors (``factor_source = "periodic"``)."""
+        return Whitening(self.config.whitening_layout, {name: getattr(self, f"factor_{name}") for name in FACTOR_NAMES[self.config.whitening_layout]})
 
     def factor_tensors(self) -> list[torch.Tensor]:
-        """Every factor tensor, sides in order, in a fixed order (what the compiled graph loads)."""
-        return [t for side in self.sides for t in self.whitening(side).tensors.values()]
+        return list(self.whitening().tensors.values())
 
-    def is_refresh_step(self) -> bool:
-        return int(self.step) % self.config.refresh_interval == 0
+    def whitening_on(self) -> bool:
+        """False while the layer is on its Euclidean fallback (a host-side check, no sync)."""
+        return self.whitened and int(self.step) >= int(self.fallback_until)
 
-    def begin_step(self, layer_input: torch.Tensor | None, grad_output: torch.Tensor | None, group=None) -> None:
-        """Before this step's gradient is whitened: refresh the factors when a refresh is due."""
-        if self.is_refresh_step():
-            self.refresh(layer_input, grad_output, group)
+    def ensure_gather_residual(self, rows: int, cols: int) -> torch.Tensor:
+        if self.gather_residual is None or tuple(self.gather_residual.shape) != (rows, cols):
+            if self.gather_residual is not None:
+                raise ValueError(
+                    f"GIFT layer {self.fqn!r}: the all-gather residual was kept for a ({tuple(self.gather_residual.shape)}) "
+                    f"shard, this step reduces ({rows}, {cols}) shards: the data-parallel size changed"
+                )
+            self.gather_residual = torch.zeros(rows, cols, device=self.device)
+        return self.gather_residual
+
+    # -- a step ----------------------------------------------------------------------------------
+    def begin_step(self, layer_input: torch.Tensor, group=None) -> bool:
+        """Before this step's gradient is sent: refresh periodic factors when due. Returns
+        whether the layer whitens this step (False on its fallback). The first step checks that
+        every rank of the group holds the same gradient shape (their sums need it)."""
+        if not self._shape_checked:
+            self._check_same_shape(resolve_group(group))
+            self._shape_checked = True
+        if self.whitened and self.config.factor_source == "periodic" and int(self.step) % self.config.refresh_interval == 0:
+            self.refresh(layer_input, group)
+        return self.whitening_on()
 
     @torch.no_grad()
-    def end_step(self, new_residual: torch.Tensor | None) -> None:
-        """After the reduction: keep the new residual and count the step."""
-        if self.residual is not None and new_residual is not None:
-            if new_residual.shape != self.residual.shape or new_residual.dtype != self.residual.dtype:
-                raise ValueError(f"GIFT layer {self.fqn!r}: new residual {tuple(new_residual.shape)} {new_residual.dtype} "
-                                 f"does not match the state's {tuple(self.residual.shape)} {self.residual.dtype}")
-            if new_residual.is_contiguous() and new_residual.untyped_storage().nbytes() == self.residual.untyped_storage().nbytes():
-                self.residual = new_residual.detach()  # adopt it: a copy is a full pass over d_out x d_in
-            else:
-                self.residual.copy_(new_residual)  # a view into a larger buffer would pin that buffer
+    def end_step(
+        self, residual: torch.Tensor | None, gather_residual: torch.Tensor | None, next_basis: torch.Tensor | None
+    ) -> None:
+        """After the reduction: keep the new residuals and basis, count the step."""
+        self._keep("residual", residual)
+        self._keep("gather_residual", gather_residual)
+        if next_basis is not None:
+            self.basis.copy_(next_basis)
         self.step += 1
 
+    def _keep(self, name: str, new: torch.Tensor | None) -> None:
+        current = getattr(self, name)
+        if current is None or new is None:
+            return
+        if new.shape != current.shape or new.dtype != current.dtype:
+            raise ValueError(f"GIFT layer {self.fqn!r}: new {name} {tuple(new.shape)} {new.dtype} "
+                             f"does not match the state's {tuple(current.shape)} {current.dtype}")
+        if new.is_contiguous() and new.untyped_storage().nbytes() == current.untyped_storage().nbytes():
+            setattr(self, name, new.detach())  # adopt it: a copy is a full pass over the tensor
+        else:
+            current.copy_(new)  # a view into a larger buffer would pin that buffer
+
+    # -- the live meter and the fallback -----------------------------------------------------------
+    def meter_due(self) -> bool:
+        return self.whitened and int(self.step) % self.config.meter_interval == 0
+
+    def hold_meter(self, fp8_error_sq: torch.Tensor, grad_sq: torch.Tensor) -> None:
+        """Keep this step's shadow Euclidean FP8 round trip until ``record_meter`` (device tensors)."""
+        self._pending_meter = torch.stack([fp8_error_sq.float(), grad_sq.float()])
+
+    def record_meter(self, stats: torch.Tensor, group=None) -> float | None:
+        """With this step's GIFT stats, turn a held shadow measurement into ``error_vs_fp8``:
+        GIFT's relative round-trip error in the gradient's own coordinates over Euclidean FP8's,
+        both summed over the ranks of ``group`` so every rank reaches the same verdict. A layer
+        above 1 for ``fallback_patience`` readings in a row goes on its fallback."""
+        if self._pending_meter is None:
+            return None
+        from gift_compile.comm import STATS
+
+        gift = stats[[STATS.index("error_sq"), STATS.index("payload_sq")]].float()
+        sums = torch.cat([gift, self._pending_meter]).double()
+        self._pending_meter = None
+        group = resolve_group(group)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(sums, group=group)
+        gift_err, payload, fp8_err, grad = sums.tolist()
+        if not all(math.isfinite(v) for v in (gift_err, payload, fp8_err, grad)) or fp8_err <= 0 or payload <= 0 or grad <= 0:
+            return None
+        ratio = math.sqrt(gift_err / payload) / math.sqrt(fp8_err / grad)
+        self.last_error_vs_fp8 = ratio
+        if self.config.fallback and self.whitening_on():
+            self.meter_over.fill_(int(self.meter_over) + 1 if ratio > 1.0 else 0)
+            if int(self.meter_over) >= self.config.fallback_patience:
+                self.fallback_until.fill_(int(self.step) + 1 + self.config.fallback_retry)
+                self.meter_over.zero_()
+                log.warning(
+                    "GIFT layer %s: round-trip error %.2fx Euclidean FP8 for %d readings; sending it as Euclidean "
+                    "FP8 until step %d, then retrying", self.fqn, ratio, self.config.fallback_patience, int(self.fallback_until),
+                )
+        return ratio
+
+    # -- periodic factors --------------------------------------------------------------------------
     @torch.no_grad()
-    def refresh(self, layer_input: torch.Tensor | None, grad_output: torch.Tensor | None, group=None) -> None:
+    def refresh(self, layer_input: torch.Tensor, group=None) -> None:
         """Recompute the factors from this step's statistics, identically on every rank."""
         group = resolve_group(group)
-        self._check_same_shape(group)
-        old = {side: self.whitening(side) for side in self.sides}
-        sources = {"input": layer_input, "output": grad_output}
-        for side in self.sides:
-            if sources[side] is None:
-                raise ValueError(f"layer {self.fqn!r}: a refresh of the {side}-side factor needs its {side} statistics")
-            moment, tokens = second_moment(sources[side].detach(), self.config.stats_max_tokens)
-            packed = torch.cat([moment.reshape(-1), moment.new_tensor([tokens])])
-            dist.all_reduce(packed, group=group)
-            mean = packed[:-1].reshape(moment.shape) / packed[-1].clamp_min(1)
-            if not bool(torch.isfinite(mean).all()):
-                log.warning("GIFT layer %s: non-finite %s statistics at step %d; keeping the previous factors", self.fqn, side, int(self.step))
-                return
-            moment_buffer = getattr(self, f"{side}_moment")
-            decay = self.config.ema_decay if int(self.refreshes) > 0 else 0.0
-            moment_buffer.mul_(decay).add_(mean, alpha=1.0 - decay)
-            new = factorize(
-                moment_buffer,
-                factorization=self.config.factorization,
-                rank=self.config.rank,
-                damping=self.config.damping,
-                diagonal=self.config.side == "diag",
-                seed=int(self.refreshes),
-            )
-            src = dist.get_global_rank(group, 0)
-            for name, tensor in new.tensors.items():
-                dist.broadcast(tensor, src=src, group=group)
-                getattr(self, f"{side}_{name}").copy_(tensor)
-        if self.residual is not None and self.sides:
-            euclidean = unwhiten(self.residual, old, self.sides)
-            self.residual.copy_(whiten(euclidean, {s: self.whitening(s) for s in self.sides}, self.sides))
+        moment, tokens = second_moment(layer_input.detach(), self.config.stats_max_tokens)
+        packed = torch.cat([moment.reshape(-1), moment.new_tensor([tokens])])
+        dist.all_reduce(packed, group=group)
+        mean = packed[:-1].reshape(moment.shape) / packed[-1].clamp_min(1)
+        if not bool(torch.isfinite(mean).all()):
+            log.warning("GIFT layer %s: non-finite input statistics at step %d; keeping the previous factors", self.fqn, int(self.step))
+            return
+        decay = self.config.ema_decay if int(self.refreshes) > 0 else 0.0
+        self.moment.mul_(decay).add_(mean, alpha=1.0 - decay)
+        low_rank = None if self.config.whitening_layout == "dense" and self.config.low_rank is None else self.rank
+        new = factorize(self.moment, factorization=self.config.factorization, rank=low_rank,
+                        damping=self.config.damping, seed=int(self.refreshes))
+        src = dist.get_global_rank(group, 0)
+        for name, tensor in new.tensors.items():
+            dist.broadcast(tensor, src=src, group=group)
+            getattr(self, f"factor_{name}").copy_(tensor)
         self.refreshes += 1
 
     def _check_same_shape(self, group) -> None:
         world = dist.get_world_size(group)
+        if world == 1:
+            return
         mine = torch.tensor([self.d_out, self.d_in], device=self.device)
         shapes = mine.repeat(world)
         dist.all_gather_single(shapes, mine, group=group)
         shapes = shapes.reshape(world, 2)
         if not bool((shapes == mine).all()):
             raise RuntimeError(f"GIFT layer {self.fqn!r} has different gradient shapes across ranks: {shapes.tolist()}")
-
-
-def whiten(g: torch.Tensor, whitenings: dict[str, Whitening], sides: tuple[str, ...]) -> torch.Tensor:
-    """``T_B^T G T_A`` restricted to ``sides`` (input side acts on rows, output side on columns)."""
-    if "input" in sides:
-        g = whitenings["input"].whiten(g)
-    if "output" in sides:
-        g = whitenings["output"].whiten(g.T).T
-    return g
-
-
-def unwhiten(u: torch.Tensor, whitenings: dict[str, Whitening], sides: tuple[str, ...]) -> torch.Tensor:
-    if "output" in sides:
-        u = whitenings["output"].unwhiten(u.T).T
-    if "input" in sides:
-        u = whitenings["input"].unwhiten(u)
-    return u
 
 
 class GiftState(nn.Module):
@@ -208,7 +230,13 @@ class GiftState(nn.Module):
         self.layers = nn.ModuleDict()
 
     def layer(
-        self, fqn: str, d_out: int | None = None, d_in: int | None = None, device: torch.device | None = None
+        self,
+        fqn: str,
+        d_out: int | None = None,
+        d_in: int | None = None,
+        device: torch.device | None = None,
+        *,
+        whitened: bool = True,
     ) -> GiftLayerState:
         """The state of layer ``fqn``, created for ``(d_out, d_in)`` gradients and placed on
         ``device`` (a gradient's ``.device``) when those are given."""
@@ -216,7 +244,7 @@ class GiftState(nn.Module):
         if key not in self.layers:
             if d_out is None or d_in is None:
                 raise KeyError(f"no GIFT state for layer {fqn!r}; known layers: {self.fqns()}")
-            self.layers[key] = GiftLayerState(fqn, d_out, d_in, self.config, device)
+            self.layers[key] = GiftLayerState(fqn, d_out, d_in, self.config, whitened=whitened, device=device)
         state = self.layers[key]
         if d_out is not None and (state.d_out, state.d_in) != (d_out, d_in):
             raise ValueError(f"GIFT layer {fqn!r} was created for ({state.d_out}, {state.d_in}) gradients, got ({d_out}, {d_in})")
@@ -229,17 +257,22 @@ class GiftState(nn.Module):
         for name, value in state_dict.items():
             parts = name.split(".")
             if len(parts) == 3 and parts[0] == "layers" and parts[2] == "shape":
-                d_out, d_in = (int(v) for v in value.tolist())
-                self.layer(parts[1].replace("/", "."), d_out, d_in)
+                d_out, d_in, whitened = (int(v) for v in value.tolist())
+                fqn = parts[1].replace("/", ".")
+                layer = self.layer(fqn, d_out, d_in, whitened=bool(whitened))
+                gathered = state_dict.get(f"layers.{parts[1]}.gather_residual")
+                if gathered is not None:
+                    layer.ensure_gather_residual(*gathered.shape)
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def fqns(self) -> list[str]:
         return [layer.fqn for layer in self.layers.values()]
 
     def checksum(self) -> torch.Tensor:
-        """A float64 fingerprint of every factor (tests compare it across ranks)."""
+        """A float64 fingerprint of every basis and factor (tests compare it across ranks)."""
         total = torch.zeros((), dtype=torch.float64)
         for layer in self.layers.values():
-            for i, t in enumerate(layer.factor_tensors()):
+            tensors = [layer.basis] if hasattr(layer, "basis") and layer.basis is not None else (layer.factor_tensors() if layer.whitened else [])
+            for i, t in enumerate(tensors):
                 total += (t.detach().double().cpu().reshape(-1) * torch.arange(1, t.numel() + 1, dtype=torch.float64).cos()).sum() * math.sqrt(i + 1)
         return total

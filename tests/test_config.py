@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 
 from gift_compile.config import GiftConfig
@@ -5,43 +7,67 @@ from gift_compile.config import GiftConfig
 
 def test_defaults_are_valid_and_frozen():
     config = GiftConfig()
-    assert config.side == "input" and config.rank == 32 and config.refresh_interval == 10 and config.damping == 0.1
+    assert config.factor_source == "current_step" and config.low_rank == 32 and config.whitening_layout == "lowrank"
     with pytest.raises(Exception):
-        config.rank = 4  # frozen
+        config.low_rank = 4  # frozen
 
 
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("fp8_format", "e3m4", "fp8_format"),
-        ("side", "left", "allowed values"),
-        ("rank", 0, "rank"),
-        ("rank", 2.5, "rank"),
-        ("refresh_interval", 0, "refresh_interval"),
-        ("damping", -1.0, "damping"),
-        ("ema_decay", 1.0, "ema_decay"),
+        ("fp8_format", "e3m4", "allowed values"),
+        ("factor_source", "sometimes", "allowed values"),
+        ("low_rank", 0, "integer >= 1"),
+        ("low_rank", 2.5, "integer >= 1"),
+        ("refresh_interval", 0, "integer >= 1"),
+        ("meter_interval", True, "integer >= 1"),  # bool is an int in Python
+        ("damping", -1.0, "number in"),
+        ("damping", True, "number in"),
+        ("ema_decay", 1.0, "number in"),
         ("layers", "w2", "layers"),
+        ("layers", 5, "layers"),
         ("layers", ("w2", ""), "layers"),
-        ("euclidean_dtype", "fp16", "euclidean_dtype"),
-        ("scale_mode", "shared", "scale_mode"),
-        ("enabled", "yes", "enabled"),
+        ("euclidean_dtype", "fp16", "allowed values"),
+        ("all_gather_dtype", "fp32", "allowed values"),
+        ("scale_mode", "shared", "allowed values"),
+        ("enabled", "yes", "true or false"),
+        ("fallback", 1, "true or false"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message) as info:
         GiftConfig(**{field: value})
-    assert field in str(info.value)
+    assert f"GiftConfig.{field}=" in str(info.value)
+
+
+def test_cholesky_needs_periodic_factors():
+    with pytest.raises(ValueError, match="factor_source='periodic'"):
+        GiftConfig(factorization="cholesky")
+    assert GiftConfig(factorization="cholesky", factor_source="periodic").whitening_layout == "dense"
+    assert GiftConfig(factor_source="periodic", low_rank=None).whitening_layout == "dense"
+    assert GiftConfig(low_rank=None).whitening_layout == "lowrank"  # current step, full rank: V diag V^T
+    assert GiftConfig(low_rank=64).factor_rank(48) == 48 and GiftConfig(low_rank=None).factor_rank(48) == 48
 
 
 def test_from_dict_rejects_unknown_keys_and_lists_valid_ones():
     with pytest.raises(ValueError, match="unknown GIFT config key") as info:
-        GiftConfig.from_dict({"rank": 8, "rnak": 8})
-    assert "'rnak'" in str(info.value) and "refresh_interval" in str(info.value)
+        GiftConfig.from_dict({"low_rank": 8, "lowrank": 8})
+    assert "'lowrank'" in str(info.value) and "refresh_interval" in str(info.value)
 
 
-def test_from_toml_reads_the_gift_table(tmp_path):
+def test_removed_side_key_explains_itself():
+    with pytest.raises(ValueError, match="'side' was removed: GIFT whitens the input side"):
+        GiftConfig.from_dict({"side": "output"})
+
+
+def test_from_toml_reads_the_gift_table_and_the_deprecated_rank_key(tmp_path):
     path = tmp_path / "job.toml"
     path.write_text('[training]\nsteps = 3\n\n[gift]\nenabled = true\nrank = 8\nlayers = ["w2", "wo"]\nfp8_format = "e5m2"\n')
-    config = GiftConfig.from_toml(path)
-    assert config == GiftConfig(enabled=True, rank=8, layers=("w2", "wo"), fp8_format="e5m2")
-    assert GiftConfig.from_toml(path, table="missing") == GiftConfig()
+    with pytest.warns(DeprecationWarning, match="'rank' is deprecated; use 'low_rank'"):
+        config = GiftConfig.from_toml(path)
+    assert config == GiftConfig(enabled=True, low_rank=8, layers=("w2", "wo"), fp8_format="e5m2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no table, no deprecated key: no warning
+        assert GiftConfig.from_toml(path, table="missing") == GiftConfig()
+    with pytest.raises(ValueError, match="give 'low_rank' only"):
+        GiftConfig.from_dict({"rank": 8, "low_rank": 8})

@@ -119,7 +119,7 @@ def test_euclidean_equals_direct_codec_and_identity_whitening(bench, fmt):
         direct = fidelity(fp8_round_trip(g, fmt), g)
         ours = measure(g, build_transform(EUCLIDEAN, sample.input_moment), fmt)
         assert ours["rel_l2"] == direct.rel_l2.item() and ours["mse"] == direct.mse.item()
-        eye = {"input": identity_whitening("dense", g.shape[1])}
+        eye = {"input": identity_whitening("dense", g.shape[1], g.shape[1])}
         assert measure(g, eye, fmt) == ours
         # The floor: round-to-nearest with m mantissa bits has relative error <= 2^-(m+1)
         # per element in the normal range, so RelL2 <= 2^-(m+1) (flushes are negligible here).

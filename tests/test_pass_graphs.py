@@ -1,10 +1,14 @@
 """Graph snapshots of the GIFT pass on real traced backward graphs (single process, fake PG).
 
-The fake process group lets Dynamo/AOTAutograd trace the functional collectives without
-peers; the numerics are checked on real gloo ranks in test_compiled_training.py.
+AOTAutograd traces the backward with Inductor's decompositions (what the pass sees as
+Inductor's ``post_grad_custom_pre_pass``); the pass rewrites a copy and the snapshot is taken
+right after it, without Inductor's code generation. The fake process group lets the
+functional collectives trace without peers; the numerics are checked on real gloo ranks in
+test_compiled_training.py and test_oracle.py.
 """
 
 import collections
+import copy
 import logging
 import re
 
@@ -12,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from expecttest import assert_expected_inline
-from torch._inductor.compile_fx import compile_fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.utils import is_cudagraph_unsafe_fx_node
 from torch.testing import FileCheck
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -33,25 +37,7 @@ def fake_process_group():
     dist.destroy_process_group()
 
 
-class Recorder(CustomGraphPass):
-    """Runs the GIFT pass on backward graphs and keeps their code before and after."""
-
-    def __init__(self, config, namespace, selected):
-        self.config, self.namespace, self.selected = config, namespace, frozenset(selected)
-        self.before, self.after = [], []
-
-    def __call__(self, graph):
-        if not any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder")):
-            return
-        self.before.append(normalized_code(graph))
-        gift_collectives_pass(graph, self.config, self.namespace, self.selected)
-        self.after.append(normalized_code(graph))
-
-    def uuid(self):
-        return None  # tests compile with the cache off
-
-
-def normalized_code(graph) -> str:
+def normalized_code(graph: fx.Graph) -> str:
     code = graph.python_code("self").src
     code = re.sub(r"\s*#.*", "", code)  # comments
     code = re.sub(r";  [\w\s=,]+ = None", "", code)  # "x = None" frees
@@ -59,209 +45,87 @@ def normalized_code(graph) -> str:
     return "\n".join(line.rstrip() for line in code.strip().splitlines())
 
 
-VIEWS = {"view", "reshape", "alias", "unsqueeze", "slice", "clone", "expand", "permute", "getitem", "_to_copy"}
-
-
-def op_sequence(code: str) -> str:
-    """The non-view ops of a graph in order, consecutive repeats collapsed: the graph's shape."""
-    ops = []
-    for op in re.findall(r"= torch\.ops\.([\w.]+)\(", code):
-        short = op.replace("aten.", "").replace("_c10d_functional.", "c10d.").rsplit(".", 1)[0] if op.count(".") > 1 else op
-        if short.split(".")[-1] in VIEWS or short.startswith("operator"):
-            continue
-        if ops and ops[-1][0] == short:
-            ops[-1][1] += 1
-        else:
-            ops.append([short, 1])
-    return "\n".join(f"{op} x{n}" if n > 1 else op for op, n in ops)
-
-
-def compile_and_record(model, config, namespace, selected, x):
+def backward_before_and_after(model, config, namespace, selected, *inputs):
+    """The backward graph of ``model`` as traced, and after the GIFT pass (the model still runs
+    the original graph: the fake process group has no data to reduce)."""
     register_runtime(namespace, config)
-    recorder = Recorder(config, namespace, selected)
-    patches = {"post_grad_custom_pre_pass": recorder, "fx_graph_cache": False}
-    compiled = torch.compile(model, backend=lambda gm, ex: compile_fx(gm, ex, config_patches=patches), fullgraph=True)
-    compiled(x).sum().backward()
-    assert len(recorder.before) == 1
-    return recorder.before[0], recorder.after[0]
+    snapshots = []
+
+    def backward_compiler(gm, example_inputs):
+        before = normalized_code(gm.graph)
+        rewritten = copy.deepcopy(gm)
+        gift_collectives_pass(rewritten.graph, config, namespace, frozenset(selected))
+        snapshots.append((before, normalized_code(rewritten.graph)))
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=backward_compiler, decompositions=select_decomp_table())
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
+    assert len(snapshots) == 1
+    return snapshots[0]
 
 
 def test_mlp_backward_graph_before_and_after():
     torch.manual_seed(0)
-    before, after = compile_and_record(
-        replicate(MLP()), GiftConfig(layers=("fc2",), rank=4), "snap_mlp", {"fc2"}, torch.randn(4, 16)
-    )
-    assert_expected_inline(before, """\
-def forward(self, primals_3, primals_4, relu, tangents_1):
-    permute_1 = torch.ops.aten.permute.default(primals_4, [1, 0])
-    permute_2 = torch.ops.aten.permute.default(permute_1, [1, 0])
-    mm = torch.ops.aten.mm.default(tangents_1, permute_2)
-    permute_3 = torch.ops.aten.permute.default(tangents_1, [1, 0])
-    mm_1 = torch.ops.aten.mm.default(permute_3, relu)
-    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True)
-    view_4 = torch.ops.aten.reshape.default(sum_1, [8])
-    all_reduce = torch.ops._c10d_functional.all_reduce.default(view_4, 'avg', 'GROUP')
-    wait_tensor = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
-    all_reduce_1 = torch.ops._c10d_functional.all_reduce.default(mm_1, 'avg', 'GROUP')
-    wait_tensor_1 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_1)
-    le = torch.ops.aten.le.Scalar(relu, 0)
-    full_default = torch.ops.aten.full.default([], 0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
-    where = torch.ops.aten.where.self(le, full_default, mm)
-    permute_6 = torch.ops.aten.permute.default(where, [1, 0])
-    mm_2 = torch.ops.aten.mm.default(permute_6, primals_3)
-    sum_2 = torch.ops.aten.sum.dim_IntList(where, [0], True)
-    view_5 = torch.ops.aten.reshape.default(sum_2, [32])
-    all_reduce_2 = torch.ops._c10d_functional.all_reduce.default(view_5, 'avg', 'GROUP')
-    wait_tensor_2 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_2)
-    all_reduce_3 = torch.ops._c10d_functional.all_reduce.default(mm_2, 'avg', 'GROUP')
-    wait_tensor_3 = torch.ops._c10d_functional.wait_tensor.default(all_reduce_3)
-    return (wait_tensor_3, wait_tensor_2, None, wait_tensor_1, wait_tensor)""")
-    assert_expected_inline(op_sequence(after), """\
-mm x2
-sum
-c10d.all_reduce
-c10d.wait_tensor
-gift.begin_step
-gift.load_factors
-gift.load_residual
-mul
-mm
-mul
-mm
-add x2
-abs
-amax
-clamp_min
-div x2
-clamp_min
-clamp_max
-prims.convert_element_type x2
-mul
-cat
-c10d.all_to_all_single
-c10d.wait_tensor
-prims.convert_element_type
-mul
-sum
-div
-prims.convert_element_type
-abs
-ge
-sum
-eq
-ne
-bitwise_and
-sum
-prims.convert_element_type x2
-sub
-pow
-sum
-pow
-sum
-cat
-abs
-amax
-clamp_min
-div x2
-clamp_min
-clamp_max
-prims.convert_element_type
-cat
-c10d.all_gather_into_tensor
-c10d.wait_tensor
-prims.convert_element_type
-mul
-sub
-abs
-ne
-eq
-mul
-full
-where
-mul
-mm
-mul
-mm
-add
-gift.end_step
-le
-full
-where
-mm
-sum
-c10d.all_reduce
-c10d.wait_tensor
-abs
-amax
-clamp_min
-div x2
-clamp_min
-clamp_max
-prims.convert_element_type x2
-mul
-cat
-c10d.all_to_all_single
-c10d.wait_tensor
-prims.convert_element_type
-mul
-sum
-div
-prims.convert_element_type
-abs
-ge
-sum
-eq
-ne
-bitwise_and
-sum
-prims.convert_element_type x2
-sub
-pow
-sum
-pow
-sum
-cat
-abs
-amax
-clamp_min
-div x2
-clamp_min
-clamp_max
-prims.convert_element_type
-cat
-c10d.all_gather_into_tensor
-c10d.wait_tensor
-prims.convert_element_type
-mul
-gift.record_euclidean""")
-    # Every original gradient collective is accounted for: 4 all_reduces (2 weights, 2 biases)
-    # became 2 untouched bias all_reduces + 2 FP8 weight reductions (all_to_all + all_gather).
+    before, after = backward_before_and_after(replicate(MLP()), GiftConfig(layers=("fc2",), low_rank=4), "snap_mlp", {"fc2"}, torch.randn(4, 16))
+    # The traced backward: one all_reduce per parameter, right after its gradient.
     FileCheck().check_count("_c10d_functional.all_reduce.default(", 4, exactly=True).run(before)
-    FileCheck().check_count("_c10d_functional.all_reduce.default(", 2, exactly=True).run(after)
-    FileCheck().check_count("_c10d_functional.all_to_all_single.default(", 2, exactly=True).run(after)
-    FileCheck().check_count("_c10d_functional.all_gather_into_tensor.default(", 2, exactly=True).run(after)
-    FileCheck().check("gift.begin_step.default('snap_mlp', 'fc2'").check("gift.end_step.default('snap_mlp', 'fc2'").run(after)
+    FileCheck().check("aten.mm.default(permute_3, relu)").check("all_reduce.default(view_4, 'avg', 'GROUP')").run(before)
+    # After, fc2 (selected): the statistics start first thing in the backward, before any
+    # gradient is computed, and their all_reduce is waited on only where the gradient is sent.
+    FileCheck() \
+        .check("gift.begin_step.default('snap_mlp', 'fc2', 'GROUP', 8, 32, True, relu)") \
+        .check("gift.load_basis.default('snap_mlp', 'fc2', 32, 4,") \
+        .check("gift.input_sketch.default(relu,") \
+        .check("_c10d_functional.all_reduce.default(input_sketch, 'sum', 'GROUP')") \
+        .check("aten.mm.default(tangents_1") \
+        .check("aten.mm.default(permute_3, relu)") \
+        .check("_c10d_functional.wait_tensor.default(all_reduce_4)") \
+        .check("gift.whitening_from_sketch.default") \
+        .check("gift.meter.default('snap_mlp', 'fc2'") \
+        .check("gift.load_residual.default('snap_mlp', 'fc2', 8, 32,") \
+        .check("gift.load_gather_residual.default('snap_mlp', 'fc2', 4, 32,") \
+        .check("_c10d_functional.all_to_all_single.default") \
+        .check("_c10d_functional.all_gather_into_tensor.default") \
+        .check("gift.end_step.default('snap_mlp', 'fc2', 'GROUP'") \
+        .run(after)
+    # fc1 (not selected): stateless Euclidean FP8, counted; the biases keep their all_reduce.
     FileCheck().check_count("gift.record_euclidean.default('snap_mlp', 'fc1', 'fp8'", 1, exactly=True).run(after)
+    FileCheck().check_count("'avg', 'GROUP')", 2, exactly=True).run(after)
+    FileCheck().check_count("_c10d_functional.all_to_all_single.default(", 2, exactly=True).run(after)
+
+
+def test_periodic_factors_are_loaded_not_computed():
+    torch.manual_seed(0)
+    config = GiftConfig(layers=("fc2",), low_rank=4, factor_source="periodic")
+    _, after = backward_before_and_after(replicate(MLP()), config, "snap_periodic", {"fc2"}, torch.randn(4, 16))
+    FileCheck().check("gift.begin_step.default('snap_periodic', 'fc2'").check("gift.load_factors.default('snap_periodic', 'fc2', 32, 4,") \
+        .check("gift.end_step").run(after)
+    FileCheck().check_not("gift.input_sketch").check_not("gift.whitening_from_sketch").run(after)
+
+
+def count_ops(code: str) -> collections.Counter:
+    return collections.Counter(re.findall(r"(_c10d_functional\.\w+|gift\.\w+)\.default\(", code))
 
 
 def test_llama_block_every_collective_is_accounted_for():
     torch.manual_seed(0)
-    linears = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
-    before, after = compile_and_record(
-        replicate(LlamaBlock()), GiftConfig(layers=("w2", "wo"), rank=4), "snap_block", {"w2", "wo"}, torch.randn(2, 8, 32)
-    )
-    counts = lambda code: collections.Counter(re.findall(r"(_c10d_functional\.\w+|gift\.\w+)\.default\(", code))
-    assert_expected_inline(str(sorted(counts(before).items())), """[('_c10d_functional.all_reduce', 9), ('_c10d_functional.wait_tensor', 9)]""")
-    assert_expected_inline(str(sorted(counts(after).items())), """[('_c10d_functional.all_gather_into_tensor', 7), ('_c10d_functional.all_reduce', 2), ('_c10d_functional.all_to_all_single', 7), ('_c10d_functional.wait_tensor', 16), ('gift.begin_step', 2), ('gift.end_step', 2), ('gift.load_factors', 2), ('gift.load_residual', 2), ('gift.record_euclidean', 5)]""")
-    # 9 parameters: 7 Linear weights (2 GIFT + 5 Euclidean FP8) and 2 RMSNorm weights (fp32).
-    for fqn in linears:
-        FileCheck().check(f"'{fqn}'").run(after)
-    assert counts(after)["_c10d_functional.all_reduce"] == 2
+    config = GiftConfig(layers=("w2", "wo"), low_rank=4, euclidean_error_feedback=True)
+    before, after = backward_before_and_after(replicate(LlamaBlock()), config, "snap_block", {"w2", "wo"}, torch.randn(2, 8, 32))
+    # 9 parameters: 7 Linear weights (2 GIFT + 5 Euclidean FP8 with error feedback) and 2 RMSNorm weights (fp32).
+    assert count_ops(before) == {"_c10d_functional.all_reduce": 9, "_c10d_functional.wait_tensor": 9}
+    ops = count_ops(after)
+    assert ops["_c10d_functional.all_to_all_single"] == 7 and ops["_c10d_functional.all_gather_into_tensor"] == 7
+    assert ops["_c10d_functional.all_reduce"] == 2 + 2  # the norm weights + the two sketches
+    assert ops["gift.begin_step"] == ops["gift.end_step"] == ops["gift.load_residual"] == 7
+    assert ops["gift.input_sketch"] == ops["gift.whitening_from_sketch"] == ops["gift.meter"] == 2
+    assert ops["gift.record_euclidean"] == 0  # every Euclidean layer keeps a residual here
+    for fqn, whitened in [("wq", False), ("wk", False), ("wv", False), ("wo", True), ("w1", False), ("w2", True), ("w3", False)]:
+        FileCheck().check(f"gift.begin_step.default('snap_block', '{fqn}', 'GROUP', ").check(f", {whitened}, ").run(after)
 
 
 def test_untouched_when_euclidean_is_fp32_and_nothing_selected():
     torch.manual_seed(0)
-    before, after = compile_and_record(
+    before, after = backward_before_and_after(
         replicate(MLP()), GiftConfig(layers=("fc2",), euclidean_dtype="fp32"), "snap_fp32", set(), torch.randn(4, 16)
     )
     assert before == after
@@ -292,10 +156,13 @@ def test_graph_without_collectives_warns_once_and_trains_correctly(caplog):
         torch.testing.assert_close(got.grad, want.grad)
 
 
-@pytest.mark.parametrize("op", ["begin_step", "load_factors", "load_residual", "end_step", "record_euclidean"])
+STATEFUL_OPS = ["begin_step", "load_basis", "load_factors", "load_residual", "load_gather_residual", "meter", "end_step", "record_euclidean"]
+
+
+@pytest.mark.parametrize("op", STATEFUL_OPS)
 def test_gift_ops_are_never_captured_in_cuda_graphs(op):
     # Inductor asks this before capturing a graph ("reduce-overhead", graph partitions): a
-    # replay would skip the op's Python (refresh, residual hand-over, counters).
+    # replay would skip the op's Python (state hand-over, refresh, counters).
     assert is_cudagraph_unsafe_fx_node(fx.Graph().call_function(getattr(torch.ops.gift, op).default))
 
 
@@ -307,13 +174,16 @@ def test_gift_backend_is_registered_by_name():
     assert lookup_backend("gift") is default_gift_backend
 
 
-@pytest.mark.parametrize("config", [GiftConfig(rank=4), GiftConfig(rank=None), GiftConfig(side="diag"), GiftConfig(side="both", factorization="cholesky", rank=3)])
+@pytest.mark.parametrize("config", [GiftConfig(low_rank=4, factor_source="periodic"), GiftConfig(low_rank=None, factor_source="periodic"),
+                                    GiftConfig(factorization="cholesky", factor_source="periodic", low_rank=3)])
 def test_fake_factor_shapes_match_the_real_state(config):
-    # The compiled graph is traced against factor_shapes; at run time it gets the real tensors.
-    from gift_compile.state import GiftLayerState, factor_shapes
+    # The compiled graph is traced against the fake shapes; at run time it gets the real tensors.
+    from gift_compile.state import GiftLayerState
+
+    from gift_compile.geometry import factor_shapes
 
     layer = GiftLayerState("fc", 6, 10, config)
-    assert factor_shapes(config, 6, 10) == [tuple(t.shape) for t in layer.factor_tensors()]
+    assert factor_shapes(config.whitening_layout, 10, config.factor_rank(10)) == [tuple(t.shape) for t in layer.factor_tensors()]
 
 
 @pytest.mark.parametrize(

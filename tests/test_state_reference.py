@@ -1,4 +1,6 @@
-"""Per-layer state and the eager reference of Algorithm 1, on real gloo ranks."""
+"""Per-layer state, the live meter and the eager reference, on real gloo ranks."""
+
+import math
 
 import pytest
 import torch
@@ -6,10 +8,11 @@ from torch import nn
 
 from gift_compile.config import GiftConfig
 from gift_compile.launch import run_on_ranks
+from gift_compile.numerics import fp8_round_trip
 from gift_compile.reference import GiftReducer, GiftReference
 from gift_compile.state import GiftState
 
-D_OUT, D_IN, TOKENS, STEPS = 16, 32, 64, 60
+D_OUT, D_IN, TOKENS, STEPS = 16, 32, 64, 40
 
 
 def layer_inputs(rank, step):
@@ -26,27 +29,25 @@ def exact_avg(step, world):
     return sum(layer_inputs(r, step)[0].double() for r in range(world)) / world
 
 
-def run_steps(rank, world, config, collective):
+def run_steps(rank, world, config, collective, steps=STEPS, whitened=True):
     reducer = GiftReducer(config)
     outputs, checksums = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         grad, x = layer_inputs(rank, step)
-        outputs.append(reducer.reduce_layer("fc", grad, x, collective=collective))
+        outputs.append(reducer.reduce_layer("fc", grad, x, collective=collective, whitened=whitened))
         checksums.append(reducer.state.checksum())
-    layer = reducer.state.layer("fc")
     restored = GiftState(config)
-    restored.layer("fc", D_OUT, D_IN)
     restored.load_state_dict(reducer.state.state_dict())
     return {
         "outputs": outputs,
         "checksums": checksums,
-        "refreshes": int(layer.refreshes),
         "state": reducer.state.state_dict(),
         "restored": restored.state_dict(),
+        "counters": reducer.runtime.counters["fc"].as_dict(),
     }
 
 
-CONFIG = GiftConfig(layers=("fc",), rank=8, refresh_interval=10)
+CONFIG = GiftConfig(layers=("fc",), low_rank=8, fallback=False)
 
 
 @pytest.fixture(scope="module")
@@ -54,68 +55,128 @@ def all_reduce_run():
     return run_on_ranks(run_steps, 2, CONFIG, "all_reduce")
 
 
-def test_reduced_gradients_are_identical_on_all_ranks(all_reduce_run):
+def test_reduced_gradients_and_bases_are_identical_on_all_ranks(all_reduce_run):
     first, second = all_reduce_run
-    assert first["refreshes"] == STEPS // 10  # steps 0, 10, ..., 50
     for a, b in zip(first["outputs"], second["outputs"]):
         assert torch.equal(a, b)
-
-
-def test_factors_are_identical_across_ranks(all_reduce_run):
-    first, second = all_reduce_run
-    assert first["checksums"] == second["checksums"]
-    assert len(set(c.item() for c in first["checksums"])) == STEPS // 10  # each refresh changed them
+    assert first["checksums"] == second["checksums"]  # the same basis on both ranks, every step
+    assert len({c.item() for c in first["checksums"]}) == STEPS  # and it moved every step
 
 
 def test_state_dict_round_trip_is_exact(all_reduce_run):
     for rank_result in all_reduce_run:
         state, restored = rank_result["state"], rank_result["restored"]
-        assert state.keys() == restored.keys() and any("residual" in k for k in state)
+        assert state.keys() == restored.keys()
+        assert {"layers.fc.residual", "layers.fc.gather_residual", "layers.fc.basis"} <= state.keys()
         for key in state:
             assert torch.equal(state[key], restored[key]), key
 
 
 def test_gift_error_is_fp8_sized(all_reduce_run):
-    # Each step quantizes twice (sender, then the reduced shard); with the whitened residual
-    # carried over, a single step's error stays of the order of the e4m3 half-ulp 2^-4.
+    # Each step quantizes twice (sender, then the owner of the reduced shard), each with its
+    # residual carried over: a single step's error stays of the order of the e4m3 half-ulp 2^-4.
     for step, out in enumerate(all_reduce_run[0]["outputs"]):
         exact = exact_avg(step, 2)
         assert (out.double() - exact).norm() / exact.norm() < 2 * 2.0**-4, step
 
 
-def running_sum_errors(result, world):
+def running_sum_errors(outputs, world):
     total, exact_total, errors = 0, 0, []
-    for step, out in enumerate(result["outputs"]):
+    for step, out in enumerate(outputs):
         total = total + out.double()
         exact_total = exact_total + exact_avg(step, world)[: out.shape[0]]
         errors.append((total - exact_total).norm().item())
     return errors
 
 
-def test_error_feedback_bounds_the_accumulated_error():
+@pytest.mark.parametrize("whitened", [True, False], ids=["gift", "euclidean"])
+def test_error_feedback_bounds_the_accumulated_error(whitened):
     # Reduce-scatter quantizes once, on the sender: with error feedback the sum of what was
     # sent telescopes to the sum of the true gradients minus the last residual, so the running
     # error stays O(one step). Without it the systematic rounding error adds up every step.
-    with_ef = run_on_ranks(run_steps, 2, CONFIG, "reduce_scatter")[0]
-    without_ef = run_on_ranks(run_steps, 2, CONFIG.replace(error_feedback=False), "reduce_scatter")[0]
+    config = CONFIG.replace(euclidean_error_feedback=True)
+    with_ef = run_on_ranks(run_steps, 2, config, "reduce_scatter", STEPS, whitened)[0]["outputs"]
+    without = config.replace(error_feedback=False, euclidean_error_feedback=False)
+    without_ef = run_on_ranks(run_steps, 2, without, "reduce_scatter", STEPS, whitened)[0]["outputs"]
     ef_errors, plain_errors = running_sum_errors(with_ef, 2), running_sum_errors(without_ef, 2)
     print(f"accumulated error after {STEPS} steps: with EF {ef_errors[-1]:.3g}, without {plain_errors[-1]:.3g}")
     assert max(ef_errors[STEPS // 2 :]) < 2 * max(ef_errors[: STEPS // 2])  # bounded, not growing
-    # Grows with the number of steps (sub-linearly: each refresh re-draws the rounding pattern).
-    assert plain_errors[-1] > 1.5 * plain_errors[STEPS // 6]
-    assert plain_errors[-1] > 4 * ef_errors[-1]  # measured: 160 vs 27.5
+    assert plain_errors[-1] > 1.5 * plain_errors[STEPS // 8]  # grows with the number of steps
+    assert plain_errors[-1] > 4 * ef_errors[-1]
 
 
-def mismatched_shapes(rank, world):
-    reducer = GiftReducer(CONFIG.replace(rank=2))
+def mismatched_shapes(rank, world, factor_source):
+    reducer = GiftReducer(CONFIG.replace(low_rank=2, factor_source=factor_source))
     grad = torch.randn(8, 4 + rank)
     with pytest.raises(RuntimeError, match="different gradient shapes across ranks"):
         reducer.reduce_layer("fc", grad, torch.randn(10, 4 + rank))
     return True
 
 
-def test_mismatched_shapes_across_ranks_raise():
-    assert run_on_ranks(mismatched_shapes, 2) == [True, True]
+@pytest.mark.parametrize("factor_source", ["current_step", "periodic"])
+def test_mismatched_shapes_across_ranks_raise(factor_source):
+    assert run_on_ranks(mismatched_shapes, 2, factor_source) == [True, True]
+
+
+def metered_steps(rank, world, config):
+    reducer = GiftReducer(config)
+    readings, expected = [], []
+    for step in range(12):
+        grad, x = layer_inputs(rank, step)
+        layer_existed = "fc" in reducer.state.fqns()
+        residual = reducer.state.layer("fc").residual.clone() if layer_existed else torch.zeros_like(grad)
+        reducer.reduce_layer("fc", grad, x, collective="reduce_scatter")
+        counters = reducer.runtime.counters["fc"].as_dict()
+        readings.append(counters["error_vs_fp8"])
+        # What the meter must have measured, recomputed here: GIFT's round-trip error in the
+        # gradient's coordinates is the new residual; Euclidean FP8's is G - deq(Q(G)).
+        new_residual = reducer.state.layer("fc").residual
+        fp8_error = grad - fp8_round_trip(grad, "e4m3")
+        expected.append([new_residual.double().square().sum(), (grad + residual).double().square().sum(),
+                         fp8_error.double().square().sum(), grad.double().square().sum()])
+    return readings, expected
+
+
+def test_meter_reports_gift_error_over_fp8_error_summed_over_ranks():
+    config = CONFIG.replace(meter_interval=5)
+    (readings0, sums0), (readings1, sums1) = run_on_ranks(metered_steps, 2, config)
+    assert readings0 == readings1  # one verdict on every rank
+    for step in range(12):
+        reading = readings0[step]
+        last_meter_step = step - step % 5
+        sums = [a + b for a, b in zip(sums0[last_meter_step], sums1[last_meter_step])]
+        expected = math.sqrt(sums[0] / sums[1]) / math.sqrt(sums[2] / sums[3])
+        assert reading == pytest.approx(expected, rel=1e-6), step
+    assert readings0[-1] < 0.9  # these correlated inputs are what whitening is for
+
+
+def falling_back(rank, world):
+    # Periodic factors from the first step's inputs, then inputs from another distribution:
+    # stale factors amplify what had little variance, and the meter sees GIFT lose to FP8.
+    config = GiftConfig(layers=("fc",), low_rank=8, factor_source="periodic", refresh_interval=1000, damping=1e-3,
+                        meter_interval=1, fallback_patience=2, fallback_retry=3)
+    reducer = GiftReducer(config)
+    paths, outputs, euclid = [], [], []
+    for step in range(9):
+        grad, x = layer_inputs(rank, step)
+        if step:
+            x = x.flip(1)  # the energy moves to the inputs that had none
+            grad = torch.randn(D_OUT, TOKENS, generator=torch.Generator().manual_seed(step)) @ x
+        outputs.append(reducer.reduce_layer("fc", grad, x, collective="reduce_scatter"))
+        counters = reducer.runtime.counters["fc"].as_dict()
+        paths.append((counters["error_vs_fp8"], counters["fallback_until"], counters["fallbacks"]))
+    return paths
+
+
+def test_a_layer_that_whitening_hurts_falls_back_and_is_retried():
+    paths = run_on_ranks(falling_back, 2)[0]
+    ratios = [p[0] for p in paths]
+    assert ratios[1] > 1 and ratios[2] > 1  # stale factors: worse than FP8
+    # Two readings above 1 (steps 1 and 2) -> Euclidean FP8 for steps 3..5, GIFT again at 6.
+    assert [p[1] for p in paths[:2]] == [None, None]
+    assert [p[1] for p in paths[2:5]] == [6, 6, 6] and paths[5][1] is None
+    assert all(abs(r - 1.0) < 0.05 for r in ratios[3:6])  # on the fallback: FP8 against FP8
+    assert paths[-1][2] >= 1
 
 
 class MLP(nn.Module):
@@ -138,8 +199,10 @@ def model_step(rank, world, config):
     return local, {n: p.grad for n, p in model.named_parameters()}, reference.selected
 
 
-def test_reference_reduces_every_parameter_of_a_model():
-    results = run_on_ranks(model_step, 2, GiftConfig(layers=("fc2",), rank=4))
+@pytest.mark.parametrize("euclidean_error_feedback", [False, True])
+def test_reference_reduces_every_parameter_of_a_model(euclidean_error_feedback):
+    config = GiftConfig(layers=("fc2",), low_rank=4, euclidean_error_feedback=euclidean_error_feedback)
+    results = run_on_ranks(model_step, 2, config)
     (local0, reduced0, selected), (local1, reduced1, _) = results
     assert selected == ["fc2"]
     for name in local0:
@@ -156,20 +219,19 @@ def test_patterns_matching_nothing_list_the_linear_layers():
         GiftReference(MLP(), GiftConfig(layers=("w9",)))
 
 
-def test_state_lives_on_the_gradients_device_and_bookkeeping_on_the_host():
+@pytest.mark.parametrize("config", [CONFIG, CONFIG.replace(factor_source="periodic")], ids=["current_step", "periodic"])
+def test_state_lives_on_the_gradients_device_and_bookkeeping_on_the_host(config):
     # "meta" stands in for an accelerator here: which buffers move must not depend on which
-    # device it is. Step and refresh counts stay on the host, so the per-step "is a refresh
-    # due?" check never waits for a GPU.
-    state = GiftState(CONFIG)
+    # device it is. Step counts and the fallback state stay on the host, so the per-step
+    # checks (refresh due? on the fallback?) never wait for a GPU.
+    state = GiftState(config)
     layer = state.layer("fc", D_OUT, D_IN)  # created before any gradient, as a checkpoint load does
     assert state.layer("fc", D_OUT, D_IN, torch.device("meta")) is layer
     devices = {name: buffer.device.type for name, buffer in layer.named_buffers()}
-    assert {name for name, device in devices.items() if device == "cpu"} == {"shape", "step", "refreshes"}
-    assert devices["residual"] == devices["input_basis"] == devices["input_moment"] == "meta"
-    assert layer.is_refresh_step()
-    fresh = GiftState(CONFIG).layer("fc", D_OUT, D_IN, torch.device("meta"))
-    assert fresh.residual.device.type == "meta" and fresh.step.device.type == "cpu"
-    moved = GiftState(CONFIG)
+    assert {name for name, device in devices.items() if device == "cpu"} == {"shape", "step", "refreshes", "fallback_until", "meter_over"}
+    assert devices["residual"] == "meta" and all(d == "meta" for n, d in devices.items() if n.startswith(("basis", "factor_", "moment")))
+    assert layer.whitening_on()
+    moved = GiftState(config)
     moved.layer("fc", D_OUT, D_IN)
     moved.to("meta")  # Module.to moves the state too, but not the host bookkeeping
     assert moved.layer("fc").residual.device.type == "meta" and moved.layer("fc").step.device.type == "cpu"

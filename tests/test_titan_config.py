@@ -33,7 +33,7 @@ def test_every_gift_config_field_is_a_section_field():
 
 def test_section_converts_to_gift_config():
     assert to_gift_config(GiftSection(enabled=True, layers=["auto"])).layers == "auto"
-    assert to_gift_config(GiftSection(layers=["w2", "wo"], rank=None)).layers == ("w2", "wo")
+    assert to_gift_config(GiftSection(layers=["w2", "wo"], low_rank=None)).layers == ("w2", "wo")
     with pytest.raises(ValueError, match="'auto' must be the only entry"):
         to_gift_config(GiftSection(layers=["auto", "w2"]))
     assert section_from_dict({"layers": "auto"}).layers == ["auto"]
@@ -44,7 +44,23 @@ def test_bad_gift_key_is_a_clear_error(tmp_path, capsys):
     job.write_text("[launch]\nnproc = 2\n\n[gift]\nenabled = true\nrnak = 16\n")
     assert launcher.main([str(job), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert "unknown [gift] key(s) ['rnak']" in err and "'rank'" in err
+    assert "unknown [gift] key(s) ['rnak']" in err and "'low_rank'" in err
+
+
+def test_deprecated_rank_key_reaches_torchtitan_as_low_rank(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text("[gift]\nenabled = true\nrank = 16\n")
+    with pytest.warns(DeprecationWarning, match="'rank' is deprecated; use 'low_rank'"):
+        settings, _, document = launcher.check_job(launcher.load_job(job))
+    assert launcher.parse_with_torchtitan(launcher.titan_args(document, settings)).gift.low_rank == 16
+
+
+def test_section_help_comes_from_the_gift_config_docstrings():
+    from gift_compile.config import field_docs
+
+    docs = field_docs(GiftConfig)
+    assert set(docs) == set(GiftConfig.field_names())
+    assert docs["meter_interval"].startswith("Every N steps")
 
 
 @pytest.mark.parametrize(
@@ -68,13 +84,13 @@ def test_bad_job_files(tmp_path, capsys, text, message):
 def test_flags_override_the_file_and_reach_torchtitan(tmp_path, capsys):
     job = tmp_path / "job.toml"
     job.write_text('dump_folder = "x"\n[launch]\nnproc = 2\n[training]\nsteps = 50\n[gift]\nenabled = true\nlayers = ["w2"]\n')
-    document = launcher.load_job(job, ["--training.steps", "3", "--gift.layers=w2,wo", "--gift.no-error_feedback", "--gift.rank", "None"])
-    settings, _ = launcher.check_job(document)
+    document = launcher.load_job(job, ["--training.steps", "3", "--gift.layers=w2,wo", "--gift.no-error_feedback", "--gift.low_rank", "None"])
+    settings, _, document = launcher.check_job(document)
     args = launcher.titan_args(document, settings)
     config = launcher.parse_with_torchtitan(args)
     assert config.training.steps == 3
     assert config.gift.enabled and config.gift.layers == ["w2", "wo"] and config.gift.error_feedback is False
-    assert config.gift.rank is None
+    assert config.gift.low_rank is None
     assert config.compile.pass_pipeline == "gift"
     assert launcher.main([str(job), "--dry-run", "--nproc", "3"]) == 0
     assert "--nproc_per_node=3" in capsys.readouterr().out
@@ -91,7 +107,7 @@ def test_auto_selection_cuts_at_the_largest_drop():
     assert autoselect.choose_layers([autoselect.LayerHitRate("x", 0, 10)]) == []
     counters = {"a": LayerCounters("fp8")}
     for saturated, flushed in [(2.0, 1.0), (1.0, 0.0)]:
-        counters["a"].add_step(torch.tensor([saturated, flushed, 0.0, 1.0]), bytes_sent=10)
+        counters["a"].add_step(torch.tensor([saturated, flushed, 0.0, 1.0, 0.0, 1.0]), bytes_sent=10)
     assert autoselect.global_hit_counts(counters, {"a": 10}) == [autoselect.LayerHitRate("a", 4, 20)]
     text = autoselect.layers_toml(["a.w2"], rates, 100)
     assert 'layers = ["a.w2"]' in text

@@ -7,26 +7,36 @@ path (other Linear layers). Everything else (biases, norms, embeddings, Linear l
 
 Before (one Linear weight gradient, post-grad backward graph)::
 
-    mm    = aten.mm(permute(grad_out), saved_input)            # (d_out, d_in)
+    X     = <the layer's input: a saved activation, or a forward node in a joint graph>
+    ...
+    mm    = aten.mm(permute(grad_out), X)                      # (d_out, d_in)
     [permute; permute | view | _to_copy | div by world size]   # identity-shaped glue
     red   = _c10d_functional.all_reduce(mm, "avg", group)       # or reduce_scatter_tensor(mm, "sum", W, group)
     grad  = _c10d_functional.wait_tensor(red)
 
-After (selected layer; the middle is ``comm.gift_reduce`` traced into post-grad ATen)::
+After (selected layer; the two halves are ``layer_step.issue_statistics`` and
+``layer_step.reduce_layer`` traced into post-grad ATen)::
 
-    tok   = gift.begin_step(ns, fqn, group, d_out, d_in, saved_input, None)   # refresh when due
-    T...  = gift.load_factors(ns, fqn, d_out, d_in, tok)
+    X     = ...
+    tok   = gift.begin_step(ns, fqn, group, d_out, d_in, True, X)   # right after X exists
+    Q     = gift.load_basis(ns, fqn, d_in, r, tok)
+    sk    = cat(X^T (X Q), sum X^2, tokens) -> _c10d_functional.all_reduce(sk, "sum", group)   # no wait yet
+    ...   (the rest of the forward / backward runs while the sketch travels)
+    mm    = aten.mm(permute(grad_out), X)
+    sk    = wait_tensor(sk) -> Rayleigh-Ritz (eigh r x r), qr -> T, T^-1 (low rank), Q'
+    gift.meter(ns, fqn, mm, tok)
     R     = gift.load_residual(ns, fqn, d_out, d_in, tok)
-    V     = mm @ T + R                       -> amax, scale, clamp, cast to fp8, view uint8
+    V     = (mm + R) @ T          -> amax, scale, clamp, cast to fp8, view uint8
     msg   = all_to_all_single(payload | scales) ; wait_tensor
-    S     = sum_senders(decode(msg))          [all-reduce: re-encode S, all_gather_into_tensor, decode]
+    S     = sum_senders(decode(msg))          [all-reduce: + owner residual, re-encode, all_gather_into_tensor, decode]
     grad  = S @ T^-1
-    gift.end_step(ns, fqn, tok, V - decode(payload), stats, bytes)
+    gift.end_step(ns, fqn, group, tok, (V - decode(payload)) @ T^-1, R2', Q', stats, bytes, stats_bytes)
 
 Identity relied on: input-side whitening right-multiplies, so it acts on each row alone and
-commutes with the dim-0 split of a reduce-scatter (DESIGN.md decision 2); and
-``sum_r (G_r T) T^-1 = sum_r G_r`` exactly, so only FP8 rounding separates the result from
-the plain collective.
+commutes with the dim-0 split of a reduce-scatter; and ``sum_r (G_r T) T^-1 = sum_r G_r``
+exactly, so only FP8 rounding separates the result from the plain collective.
+Other Linear layers get ``comm.fp8_reduce`` without whitening (with ``euclidean_error_feedback``,
+through the same two halves with a residual and no statistics).
 """
 
 from __future__ import annotations
@@ -40,11 +50,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.operator_schemas import normalize_function
 
 from gift_compile.collectives import WireFormat, bytes_sent
-from gift_compile.comm import euclidean_reduce, gift_reduce
+from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
+from gift_compile.layer_step import LayerPlan, issue_statistics, reduce_layer
+from gift_compile.ops import OpsAccess, record_euclidean_step
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
-from gift_compile.state import SIDES
-from gift_compile.geometry import whitening_kind
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +148,9 @@ def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, s
                 skipped.append(found.collective.name)
             continue
         if found.fqn in selected:
-            _replace(graph, found, _gift_replacement(found, config, namespace), [found.collective.args[0], found.mm.args[1], found.mm.args[0]])
+            rewrite_stateful(graph, found, config, namespace, whitened=True)
+        elif config.euclidean_dtype == "fp8" and config.euclidean_error_feedback:
+            rewrite_stateful(graph, found, config, namespace, whitened=False)
         elif config.euclidean_dtype != "fp32":
             rewrite_euclidean(graph, found, config, namespace)
         else:
@@ -160,46 +172,41 @@ def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]
     graph.erase_node(found.collective)
 
 
+def rewrite_stateful(graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str, *, whitened: bool) -> None:
+    """Replace a Linear weight-gradient collective by the two halves of ``layer_step``: the
+    statistics right after the layer's input exists, the reduction where the collective was."""
+    d_out, d_in = found.mm.meta["val"].shape
+    plan = LayerPlan(found.fqn, d_out, d_in, whitened, found.kind, found.op, found.group_name, config)
+    access = OpsAccess(namespace)
+    layer_input = found.mm.args[1]
+    early = [n for n in splice_traced(graph, lambda x: issue_statistics(plan, access, x), [layer_input], after=layer_input) if n is not None]
+
+    if len(early) == 3:  # current-step factors: (token, summed sketch, basis)
+        def late(grad, token, sketch, basis):
+            return reduce_layer(plan, access, grad, token, sketch, basis)
+    else:  # periodic factors, or no whitening: the token only
+        def late(grad, token):
+            return reduce_layer(plan, access, grad, token, None, None)
+
+    _replace(graph, found, late, [found.collective.args[0], *early])
+
+
 def rewrite_euclidean(graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str) -> None:
-    """Replace one gradient collective by the Euclidean ``config.euclidean_dtype`` path, counted
-    under ``found.fqn`` (also used by integrations for non-Linear 2-D gradients)."""
-    _replace(graph, found, _euclidean_replacement(found, config, namespace), [found.collective.args[0]])
+    """Replace one gradient collective by the stateless Euclidean ``config.euclidean_dtype`` path,
+    counted under ``found.fqn`` (also used by integrations for non-Linear 2-D gradients)."""
+    wire = WireFormat.euclidean(config)
+    shape = tuple(found.collective.args[0].meta["val"].shape)
+    nbytes = bytes_sent(shape, world_size(found), wire, found.kind, config.all_gather_dtype)
+    group = _resolve_process_group(found.group_name)
+
+    def replacement(grad):
+        reduction = euclidean_reduce(grad, op=found.op, group=group, wire=wire, collective=found.kind,
+                                     gather_dtype=config.all_gather_dtype)
+        record_euclidean_step(namespace, found.fqn, config.euclidean_dtype, reduction.stats, nbytes)
+        return reduction.output
+
+    _replace(graph, found, replacement, [found.collective.args[0]])
 
 
 def world_size(found: GradientCollective) -> int:
     return torch.distributed.get_world_size(_resolve_process_group(found.group_name))
-
-
-def _gift_replacement(found: GradientCollective, config: GiftConfig, namespace: str):
-    d_out, d_in = found.mm.meta["val"].shape
-    group = _resolve_process_group(found.group_name)
-    sides = SIDES[config.side]
-    kind = whitening_kind(config.factorization, config.rank, config.side == "diag")
-    wire = WireFormat.gift(config)
-    nbytes = bytes_sent((d_out, d_in), world_size(found), wire, found.kind)
-    fqn = found.fqn
-
-    def replacement(grad, layer_input, grad_output_t):
-        grad_output = grad_output_t.T if "output" in sides else None
-        token = torch.ops.gift.begin_step(namespace, fqn, found.group_name, d_out, d_in, layer_input, grad_output)
-        factors = torch.ops.gift.load_factors(namespace, fqn, d_out, d_in, token)
-        residual = torch.ops.gift.load_residual(namespace, fqn, d_out, d_in, token) if config.error_feedback else None
-        reduction = gift_reduce(grad, factors, residual, kind=kind, sides=sides, op=found.op, group=group, wire=wire, collective=found.kind)
-        torch.ops.gift.end_step(namespace, fqn, token, reduction.residual, reduction.stats, nbytes)
-        return reduction.output
-
-    return replacement
-
-
-def _euclidean_replacement(found: GradientCollective, config: GiftConfig, namespace: str):
-    wire = WireFormat.euclidean(config)
-    shape = tuple(found.collective.args[0].meta["val"].shape)
-    nbytes = bytes_sent(shape, world_size(found), wire, found.kind)
-    group = _resolve_process_group(found.group_name)
-
-    def replacement(grad):
-        reduction = euclidean_reduce(grad, op=found.op, group=group, wire=wire, collective=found.kind)
-        torch.ops.gift.record_euclidean(namespace, found.fqn, config.euclidean_dtype, reduction.stats, nbytes)
-        return reduction.output
-
-    return replacement

@@ -14,14 +14,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 
-def splice_traced(graph: fx.Graph, fn: Callable[..., torch.Tensor], args: list[fx.Node], before: fx.Node) -> fx.Node:
-    """Trace ``fn`` on the fake values of ``args`` and copy its nodes into ``graph`` before ``before``.
+def splice_traced(
+    graph: fx.Graph, fn: Callable[..., Any], args: list[fx.Node], *, before: fx.Node | None = None, after: fx.Node | None = None
+) -> Any:
+    """Trace ``fn`` on the fake values of ``args`` and copy its nodes into ``graph``, right
+    ``before`` or ``after`` a node (``after`` a placeholder means before the first computation).
 
     The trace uses Inductor's decomposition table, so the copied nodes are post-grad ATen
     (e.g. ``clamp`` becomes ``clamp_min``/``clamp_max``), as ``pattern_matcher.fwd_only`` does.
-    Every copied node keeps ``meta['val']`` and gets ``meta['tensor_meta']``. Returns the node
-    holding ``fn``'s (single tensor) result.
+    Every copied node keeps ``meta['val']`` and gets ``meta['tensor_meta']``. Returns ``fn``'s
+    result with each tensor replaced by the node holding it (``None`` stays ``None``).
     """
+    if (before is None) == (after is None):
+        raise ValueError("give exactly one of before= and after=")
     fake_args = [a.meta["val"] for a in args]
     # Factory ops inside fn (zeros_like, arange) must create fake tensors of the same mode.
     with detect_fake_mode(fake_args), enable_python_dispatcher():
@@ -29,7 +34,7 @@ def splice_traced(graph: fx.Graph, fn: Callable[..., torch.Tensor], args: list[f
     placeholders = traced.graph.find_nodes(op="placeholder")
     env: dict[fx.Node, Any] = dict(zip(placeholders, args))
     result = None
-    with graph.inserting_before(before):
+    with _insertion_point(graph, before, after):
         for node in traced.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -39,9 +44,16 @@ def splice_traced(graph: fx.Graph, fn: Callable[..., torch.Tensor], args: list[f
             copied = graph.node_copy(node, lambda n: env[n])
             _add_tensor_meta(copied)
             env[node] = copied
-    if not isinstance(result, fx.Node):
-        raise RuntimeError(f"expected the traced replacement to return one tensor, got {result!r}")
     return result
+
+
+def _insertion_point(graph: fx.Graph, before: fx.Node | None, after: fx.Node | None):
+    if before is not None:
+        return graph.inserting_before(before)
+    if after.op == "placeholder":  # placeholders stay first: insert before the first computation
+        first = next(n for n in graph.nodes if n.op != "placeholder")
+        return graph.inserting_before(first)
+    return graph.inserting_before(after.next)  # inserting_after(n) would put each new node right after n: reversed
 
 
 def _add_tensor_meta(node: fx.Node) -> None:

@@ -162,9 +162,10 @@ def check_section(obj: Any, values: dict, path: str) -> None:
             raise JobError(f"{where!r} is a section; write it as a [{where}] table")
 
 
-def check_job(document: dict) -> tuple[dict[str, Any], Any]:
-    """Validate the whole job; returns the launch settings and the base config."""
-    from gift_compile.titan_integration.config import section_from_dict
+def check_job(document: dict) -> tuple[dict[str, Any], Any, dict]:
+    """Validate the whole job; returns the launch settings, the base config and the document
+    with its ``[gift]`` table normalized (deprecated keys renamed)."""
+    from gift_compile.titan_integration.config import normalize_table, section_from_dict
 
     settings = launch_settings(document)
     config = base_config(settings["module"], settings["config"])
@@ -177,6 +178,7 @@ def check_job(document: dict) -> tuple[dict[str, Any], Any]:
             raise JobError(f"config {settings['config']!r} has no gift section; use a config of {DEFAULT_MODULE}")
         try:
             section = section_from_dict(gift)
+            document = {**document, "gift": normalize_table(gift)}
         except (ValueError, TypeError) as e:
             raise JobError(str(e)) from None
         if section.enabled and not hasattr(config.compile, "pass_pipeline"):
@@ -184,7 +186,7 @@ def check_job(document: dict) -> tuple[dict[str, Any], Any]:
 
             raise JobError(STANDARD_TRAINER_ERROR)
     check_section(config, body, "")
-    return settings, config
+    return settings, config, document
 
 
 # -- flags ------------------------------------------------------------------------------------
@@ -212,8 +214,6 @@ def to_flags(values: dict, prefix: str = "") -> list[str]:
 
 def titan_args(document: dict, settings: dict) -> list[str]:
     body = {k: v for k, v in document.items() if k != "launch"}
-    if isinstance(body.get("gift", {}).get("layers"), str):
-        body["gift"] = {**body["gift"], "layers": body["gift"]["layers"].split(",")}
     return ["--module", settings["module"], "--config", settings["config"], *to_flags(body)]
 
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         document = load_job(ns.job, rest)
         if ns.nproc is not None:
             document = merge(document, {"launch": {"nproc": ns.nproc}})
-        settings, _ = check_job(document)
+        settings, _, document = check_job(document)
         args = titan_args(document, settings)
         parse_with_torchtitan(args)
     except JobError as e:

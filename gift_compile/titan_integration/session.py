@@ -137,14 +137,21 @@ class GiftSession:
     def metrics(self) -> dict[str, Any]:
         accounting = get_pass_context(NAMESPACE).accounting
         by_path = self.runtime.bytes_per_step()
+        stats = by_path.pop("stats", 0.0)
         total = sum(by_path.values()) + accounting.untouched_bytes
         out: dict[str, Any] = {f"gift/bytes_per_step/{p}": v for p, v in sorted(by_path.items())}
         out["gift/bytes_per_step/unchanged"] = accounting.untouched_bytes
         out["gift/bytes_per_step"] = total
         out["gift/bytes_per_step_fp32"] = accounting.fp32_bytes
         out["gift/bytes_ratio_vs_fp32"] = total / accounting.fp32_bytes if accounting.fp32_bytes else None
+        out["gift/stats_bytes_per_step"] = stats
+        out["gift/total_bytes_ratio_vs_fp32"] = (total + stats) / accounting.fp32_bytes if accounting.fp32_bytes else None
         out["gift/layers"] = len(self.chosen)
         out["gift/refreshes"] = sum(c.refreshes for c in self.runtime.counters.values())
+        readings = [c.error_vs_fp8 for c in self.runtime.counters.values() if c.error_vs_fp8 is not None]
+        out["gift/error_vs_fp8"] = sum(readings) / len(readings) if readings else None
+        out["gift/error_vs_fp8_max"] = max(readings) if readings else None
+        out["gift/fallback_layers"] = sum(c.fallback_until is not None for c in self.runtime.counters.values())
         out["gift/profiling"] = int(self.profiling)
         return out
 
@@ -157,10 +164,12 @@ class GiftSession:
             gift = session.metrics()
             original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **gift})
             logging.getLogger("torchtitan").info(
-                "[gift] step %d: bytes/step %.0f (%.3fx fp32) %s; gift layers %d; refreshes %d",
+                "[gift] step %d: gradient bytes/step %.0f (%.3fx fp32) %s, statistics %.0f; gift layers %d "
+                "(error vs FP8: mean %s, max %s; on fallback %d)",
                 step, gift["gift/bytes_per_step"], gift["gift/bytes_ratio_vs_fp32"] or float("nan"),
                 {k.rsplit("/", 1)[1]: round(v) for k, v in gift.items() if k.startswith("gift/bytes_per_step/")},
-                gift["gift/layers"], gift["gift/refreshes"],
+                gift["gift/stats_bytes_per_step"], gift["gift/layers"], _fmt(gift["gift/error_vs_fp8"]),
+                _fmt(gift["gift/error_vs_fp8_max"]), gift["gift/fallback_layers"],
             )
             session.record(step, loss=global_avg_loss, grad_norm=grad_norm, **gift)
 
@@ -194,6 +203,10 @@ class GiftSession:
         path = self.dump_folder / f"gift_counters_rank{rank()}.json"
         path.write_text(json.dumps(payload, indent=1))
         return path
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def record_metrics(dump_folder: Path, step: int, **values: Any) -> None:

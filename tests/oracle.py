@@ -1,0 +1,143 @@
+"""An independent float64 statement of GIFT's Algorithm 1, for tests.
+
+Written from the paper (arXiv 2607.07494, Algorithm 1) and docs/design.md, not from the
+library: nothing here imports ``gift_compile``. Where the library has a choice of
+formulation, the oracle takes the other one, so agreement checks the derivation:
+
+* the error-feedback residual lives in *whitened* coordinates, as in the paper, and is moved
+  explicitly whenever ``T`` changes: ``R <- R T_old^-1 T_new`` (the library keeps it in the
+  gradient's coordinates);
+* ``T`` is a dense ``d x d`` matrix built from an explicitly formed ``A`` (the library never
+  forms ``A`` for current-step factors and applies ``T`` in low-rank form);
+* FP8 e4m3 rounding is written out from the format's definition (the library casts).
+
+Every rank's data is visible here (``grads[r]``, ``inputs[r]``), so the reduction is a plain
+sum over a Python list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL_EXP = -6  # smallest normal: 2^-6; subnormal spacing 2^-9
+E4M3_MANTISSA_BITS = 3
+
+
+def e4m3(values: torch.Tensor) -> torch.Tensor:
+    """Round float64 ``values`` to the nearest e4m3 number (ties to even), saturating at +-448."""
+    magnitude = values.abs().clamp_max(E4M3_MAX)
+    exponent = torch.floor(torch.log2(magnitude.clamp_min(2.0**E4M3_MIN_NORMAL_EXP))).clamp_min(E4M3_MIN_NORMAL_EXP)
+    spacing = torch.pow(2.0, exponent - E4M3_MANTISSA_BITS)
+    rounded = torch.round(magnitude / spacing) * spacing  # torch.round: half to even
+    return torch.sign(values) * rounded.clamp_max(E4M3_MAX)
+
+
+def quantize(v: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scaled e4m3 round trip: the scale maps the largest magnitude to 448 (fp32 scale)."""
+    scale = float(torch.tensor(float(v.abs().max()), dtype=torch.float32) / torch.tensor(E4M3_MAX, dtype=torch.float32))
+    scale = max(scale, 1e-30 / E4M3_MAX)
+    return e4m3(v / scale) * scale
+
+
+def rows_of(rank: int, world: int, d_out: int) -> slice:
+    """The rows rank ``rank`` owns after a dim-0 reduce-scatter (``ceil(d_out / world)`` each)."""
+    c = -(-d_out // world)
+    return slice(min(rank * c, d_out), min((rank + 1) * c, d_out))
+
+
+def symmetric_transform(values: torch.Tensor, vectors: torch.Tensor, rest: float | None, mean_eig: float, damping: float):
+    """Dense ``T = A_r^-1/2`` and ``T^-1`` for ``A_r = V diag(l) V^T + rest (I - V V^T)``, damped."""
+    d = vectors.shape[0]
+    shift = damping * mean_eig
+    damped = values.clamp_min(0) + shift
+    projector = vectors @ vectors.T
+    t = (vectors * damped.rsqrt()) @ vectors.T
+    t_inv = (vectors * damped.sqrt()) @ vectors.T
+    if rest is not None:
+        sigma = max(rest, 0.0) + shift
+        t = t + (torch.eye(d, dtype=torch.float64) - projector) / math.sqrt(sigma)
+        t_inv = t_inv + (torch.eye(d, dtype=torch.float64) - projector) * math.sqrt(sigma)
+    return t, t_inv
+
+
+@dataclass
+class OracleLayer:
+    """One layer's Algorithm 1 over steps, for ``world`` ranks at once."""
+
+    d_out: int
+    d_in: int
+    world: int
+    rank: int
+    damping: float
+    error_feedback: bool = True
+    factor_source: str = "current_step"  # or "periodic"
+    refresh_interval: int = 10
+    ema_decay: float = 0.5
+    collective: str = "reduce_scatter"  # or "all_reduce" (FP8 all-gather with owner error feedback)
+    step: int = 0
+    basis: torch.Tensor | None = None
+    moment: torch.Tensor | None = None
+    t: torch.Tensor | None = None
+    t_inv: torch.Tensor | None = None
+    residuals: list = field(default_factory=list)
+    gather_residuals: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        gaussian = torch.randn(self.d_in, self.rank, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        self.basis = torch.linalg.qr(gaussian).Q
+        self.t = self.t_inv = torch.eye(self.d_in, dtype=torch.float64)
+        self.residuals = [torch.zeros(self.d_out, self.d_in, dtype=torch.float64) for _ in range(self.world)]
+        self.gather_residuals = [torch.zeros(self.d_out, self.d_in, dtype=torch.float64)[rows_of(k, self.world, self.d_out)]
+                                 for k in range(self.world)]
+
+    def _new_transform(self, inputs: list[torch.Tensor]) -> None:
+        rows = [x.double().reshape(-1, self.d_in) for x in inputs]
+        a = sum(x.T @ x for x in rows) / sum(x.shape[0] for x in rows)
+        if self.factor_source == "current_step":
+            # Rayleigh-Ritz on the previous basis with this step's A, then one power step.
+            values, small = torch.linalg.eigh(self.basis.T @ a @ self.basis)
+            vectors = self.basis @ small
+            self.basis = torch.linalg.qr(a @ self.basis).Q
+        else:
+            if self.step % self.refresh_interval != 0:
+                return
+            decay = self.ema_decay if self.moment is not None else 0.0
+            self.moment = a if self.moment is None else decay * self.moment + (1 - decay) * a
+            a = self.moment
+            all_values, all_vectors = torch.linalg.eigh(a)
+            values, vectors = all_values[-self.rank:], all_vectors[:, -self.rank:]
+        trace = float(torch.trace(a))
+        rest = (trace - float(values.clamp_min(0).sum())) / (self.d_in - self.rank) if self.rank < self.d_in else None
+        t, t_inv = symmetric_transform(values, vectors, rest, trace / self.d_in, self.damping)
+        # The paper's residual lives in whitened coordinates: carry it into the new ones.
+        self.residuals = [r @ self.t_inv @ t for r in self.residuals]
+        self.gather_residuals = [r @ self.t_inv @ t for r in self.gather_residuals]
+        self.t, self.t_inv = t, t_inv
+
+    def reduce(self, grads: list[torch.Tensor], inputs: list[torch.Tensor], op: str = "avg") -> torch.Tensor:
+        """The reduced gradient (all ``d_out`` rows) of one step."""
+        self._new_transform(inputs)
+        decoded = []
+        for r, g in enumerate(grads):
+            sent = g.double() @ self.t + (self.residuals[r] if self.error_feedback else 0)
+            decoded_r = quantize(sent)
+            if self.error_feedback:
+                self.residuals[r] = sent - decoded_r
+            decoded.append(decoded_r)
+        reduced = sum(decoded) / (self.world if op == "avg" else 1)
+        if self.collective == "all_reduce":
+            shards = []
+            for k in range(self.world):
+                rows = rows_of(k, self.world, self.d_out)
+                shard = reduced[rows] + (self.gather_residuals[k] if self.error_feedback else 0)
+                decoded_shard = quantize(shard) if shard.numel() else shard
+                if self.error_feedback:
+                    self.gather_residuals[k] = shard - decoded_shard
+                shards.append(decoded_shard)
+            reduced = torch.cat(shards)
+        self.step += 1
+        return reduced @ self.t_inv
