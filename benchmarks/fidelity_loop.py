@@ -1,0 +1,297 @@
+"""In-loop fidelity: what each gradient codec delivers inside a training loop, step after step.
+
+W real gloo ranks train torchtitan's Llama-3 (the fidelity model of benchmarks/fidelity.py:
+dim 256, 3 blocks, separate wq/wk/wv, 22 Linear layers) with the *exact* averaged gradient
+(an fp32 all-reduce), each rank on its own tokens. Every codec observes that same run: at
+every step it reduces every Linear layer's weight gradient of every rank through the
+library's real path (``GiftReducer`` / ``euclidean_reduce``: collectives, state, error
+feedback, meter and fallback), and is scored against the exact average:
+
+* the one-step error ``||G_hat - G|| / ||G||`` of the reduced gradient, as a ratio to
+  Euclidean FP8 (per-rank scales, no error feedback) on the same gradient, time-averaged
+  over steps 50..end, per layer type;
+* the accumulated error ``||sum_t G_hat_t - sum_t G_t|| / ||sum_t G_t||`` after the run (what
+  error feedback exists for), as a ratio to Euclidean FP8 with error feedback;
+* the worst 10-step window of a selected layer's one-step ratio (from step 50 on: after the
+  meter and fallback have had their say);
+* eager seconds per step of the codec (the compiled costs are in pass_overhead.py) and
+  bytes per rank per step (gradient payload + statistics).
+
+Reduce-scatter codecs (FSDP) quantize once per rank; all-reduce codecs (replicate / DDP) add
+the re-quantization of each reduced shard by its owner (or a bf16 all-gather).
+
+    python benchmarks/fidelity_loop.py                  # WikiText-2 and the bundled corpus, 300 steps each
+    python benchmarks/fidelity_loop.py --quick          # WikiText-2 only, 60 steps
+    python benchmarks/fidelity_loop.py --setups wikitext --steps 150
+
+Writes benchmarks/results/fidelity_loop.md and fidelity_loop.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from fidelity import FULL, TYPE_ORDER, build_model, layer_type, linear_layers, loss_fn  # noqa: E402
+from gift_compile.collectives import WireFormat  # noqa: E402
+from gift_compile.comm import euclidean_reduce  # noqa: E402
+from gift_compile.config import GiftConfig  # noqa: E402
+from gift_compile.data import TokenBatcher, load_token_ids, vocab_size  # noqa: E402
+from gift_compile.launch import run_on_ranks  # noqa: E402
+from gift_compile.reference import GiftReducer  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+DATA = ROOT.parent / "shared" / "data"
+SELECTED_TYPES = ("q", "k", "v", "o")  # GiftConfig's default layers: the attention projections
+WINDOW = 10
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One way to reduce a Linear weight gradient: a config, whitened or not, and a collective."""
+
+    name: str
+    config: GiftConfig
+    whitened: bool = True
+    collective: str = "reduce_scatter"
+
+    @property
+    def stateful(self) -> bool:
+        return self.whitened or self.config.euclidean_error_feedback
+
+
+def codecs() -> list[Codec]:
+    default = GiftConfig(layers=())
+    previous = default.replace(factor_source="periodic", refresh_interval=10, ema_decay=0.5, damping=0.1)
+    paper = default.replace(factor_source="periodic", factorization="cholesky", refresh_interval=50, damping=1e-3, fallback=False)
+    euclid_ef = default.replace(euclidean_error_feedback=True)
+    out = [
+        Codec("Euclidean FP8", default, whitened=False),
+        Codec("Euclidean FP8 + EF", euclid_ef, whitened=False),
+        Codec("GIFT defaults", default),
+        Codec("GIFT defaults, no EF", default.replace(error_feedback=False)),
+        Codec("GIFT full rank, no EF", default.replace(low_rank=None, error_feedback=False)),
+        Codec("GIFT periodic K=10 (previous defaults)", previous),
+        Codec("GIFT paper (Cholesky, K=50, damping 1e-3)", paper),
+    ]
+    for codec in list(out[:3]):
+        name = codec.name.replace("GIFT defaults", "GIFT defaults (fp8 gather, owner EF)")
+        out.append(dataclasses.replace(codec, name=f"all-reduce: {name}", collective="all_reduce"))
+    out.append(Codec("all-reduce: GIFT defaults, bf16 gather", default.replace(all_gather_dtype="bf16"), collective="all_reduce"))
+    return out
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    text: str
+    tokenizer: str
+    description: str
+
+
+def setups() -> dict[str, Setup]:
+    from gift_compile.titan_integration.data import DEFAULT_CORPUS, default_tokenizer_dir
+
+    return {
+        "wikitext": Setup("wikitext", str(DATA / "wikitext-2" / "test.txt"), str(DATA / "tokenizer" / "tokenizer.json"),
+                          "WikiText-2 test.txt, shared 2k BPE tokenizer"),
+        "shakespeare": Setup("shakespeare", str(DEFAULT_CORPUS), str(default_tokenizer_dir() / "tokenizer.json"),
+                             "bundled Tiny Shakespeare, bundled 2k BPE tokenizer"),
+    }
+
+
+def owned_rows(rank: int, world: int, rows: int) -> slice:
+    c = -(-rows // world)
+    return slice(min(rank * c, rows), min((rank + 1) * c, rows))
+
+
+def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: float):
+    torch.set_num_threads(1)
+    settings = FULL
+    ids = load_token_ids(setup.text, setup.tokenizer)
+    model = build_model(settings, vocab_size(setup.tokenizer))  # same seed: same weights on every rank
+    layers = linear_layers(model)
+    batcher = TokenBatcher(ids, settings.seq_len, seed=1000 + rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    all_codecs = codecs()
+    reducers = {c.name: GiftReducer(c.config) for c in all_codecs if c.stateful}
+    inputs: dict[str, torch.Tensor] = {}
+    for fqn, module in layers.items():
+        module.register_forward_hook(lambda m, args, out, fqn=fqn: inputs.__setitem__(fqn, args[0].detach().reshape(-1, args[0].shape[-1])))
+    names = list(layers)
+    step_errors = torch.zeros(steps, len(all_codecs), len(names))
+    sums = {(c.name, fqn): None for c in all_codecs for fqn in names}
+    exact_sums = {fqn: None for fqn in names}
+    seconds = defaultdict(float)
+    losses = []
+    start = time.time()
+    for step in range(steps):
+        x, y = batcher.batch(tokens // settings.seq_len)
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        grads = {fqn: layers[fqn].weight.grad.detach().clone() for fqn in names}
+        for p in model.parameters():  # train on the exact average
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        squares = torch.zeros(len(all_codecs), len(names), 2, dtype=torch.float64)
+        for i, codec in enumerate(all_codecs):
+            t0 = time.perf_counter()
+            outputs = {}
+            for fqn in names:
+                if codec.stateful:
+                    outputs[fqn] = reducers[codec.name].reduce_layer(fqn, grads[fqn], inputs[fqn], collective=codec.collective,
+                                                                     whitened=codec.whitened)
+                else:
+                    outputs[fqn] = euclidean_reduce(grads[fqn], op="avg", group=None, wire=WireFormat.euclidean(codec.config),
+                                                    collective=codec.collective).output
+            seconds[codec.name] += time.perf_counter() - t0
+            for j, fqn in enumerate(names):
+                exact = layers[fqn].weight.grad.double()
+                rows = owned_rows(rank, world, exact.shape[0])
+                got = outputs[fqn].double()
+                got = got[: rows.stop - rows.start] if codec.collective == "reduce_scatter" else got[rows]
+                squares[i, j] = torch.stack([(got - exact[rows]).square().sum(), exact[rows].square().sum()])
+                key = (codec.name, fqn)
+                sums[key] = got if sums[key] is None else sums[key] + got
+        for fqn in names:
+            exact = layers[fqn].weight.grad.double()[owned_rows(rank, world, layers[fqn].weight.shape[0])]
+            exact_sums[fqn] = exact if exact_sums[fqn] is None else exact_sums[fqn] + exact
+        dist.all_reduce(squares)
+        step_errors[step] = (squares[..., 0] / squares[..., 1]).sqrt().float()
+        optimizer.step()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
+        if rank == 0 and (step % 10 == 0 or step == steps - 1):
+            print(f"  [{setup.name}] step {step + 1}/{steps}  loss {losses[-1]:.3f}  {time.time() - start:.0f}s", flush=True)
+    accumulated = torch.zeros(len(all_codecs), len(names), 2, dtype=torch.float64)
+    for i, codec in enumerate(all_codecs):
+        for j, fqn in enumerate(names):
+            accumulated[i, j] = torch.stack([(sums[codec.name, fqn] - exact_sums[fqn]).square().sum(), exact_sums[fqn].square().sum()])
+    dist.all_reduce(accumulated)
+    bytes_per_step = {}
+    for c in all_codecs:
+        if c.stateful:
+            counters = reducers[c.name].runtime.counters.values()
+            bytes_per_step[c.name] = sum((k.bytes_sent + k.stats_bytes) / k.steps for k in counters)
+    fallbacks = {c.name: sum(k.fallbacks for k in reducers[c.name].runtime.counters.values()) for c in all_codecs if c.whitened}
+    return {
+        "codecs": [c.name for c in all_codecs], "collectives": [c.collective for c in all_codecs], "layers": names,
+        "step_errors": step_errors, "accumulated": (accumulated[..., 0] / accumulated[..., 1]).sqrt(),
+        "seconds": {k: v / steps for k, v in seconds.items()}, "bytes": bytes_per_step, "fallbacks": fallbacks,
+        "losses": losses,
+    }
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(result: dict, first_step: int) -> tuple[list[str], list[list]]:
+    codecs_, layers = result["codecs"], result["layers"]
+    errors = result["step_errors"]  # (steps, codecs, layers)
+    baseline = {"reduce_scatter": codecs_.index("Euclidean FP8"), "all_reduce": codecs_.index("all-reduce: Euclidean FP8")}
+    baseline_ef = codecs_.index("Euclidean FP8 + EF")
+    types = [layer_type(fqn) for fqn in layers]
+    headers = ["codec", "mean", "attention (selected)", *TYPE_ORDER, "worst selected 10-step window", "accumulated vs FP8+EF (mean / worst selected)",
+               "eager s/step", "KiB/step/rank"]
+    rows = []
+    for i, name in enumerate(codecs_):
+        base = baseline[result["collectives"][i]]
+        ratio = errors[first_step:, i, :] / errors[first_step:, base, :]  # (steps, layers), per step
+        per_layer = ratio.mean(dim=0)
+        by_type = {t: mean(per_layer[j].item() for j in range(len(layers)) if types[j] == t) for t in TYPE_ORDER}
+        selected = [j for j in range(len(layers)) if types[j] in SELECTED_TYPES]
+        windows = ratio[: ratio.shape[0] // WINDOW * WINDOW].reshape(-1, WINDOW, len(layers)).mean(dim=1)
+        worst_window = windows[:, selected].max().item() if windows.numel() else float("nan")
+        acc = result["accumulated"][i] / result["accumulated"][baseline_ef]
+        kib = result["bytes"].get(name)
+        rows.append([
+            name, f"{per_layer.mean():.3f}", f"{mean(per_layer[j].item() for j in selected):.3f}",
+            *[f"{by_type[t]:.2f}" for t in TYPE_ORDER], f"{worst_window:.2f}",
+            f"{acc.mean():.2f} / {acc[selected].max():.2f}", f"{result['seconds'][name]:.3f}",
+            "-" if kib is None else f"{kib / 1024:.0f}",
+        ])
+    return headers, rows
+
+
+def plot(results: dict[str, dict], first_step: int, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (setup, result) in zip(axes[0], results.items()):
+        errors = result["step_errors"]
+        base = result["codecs"].index("Euclidean FP8")
+        selected = [j for j, fqn in enumerate(result["layers"]) if layer_type(fqn) in SELECTED_TYPES]
+        for name in ("Euclidean FP8 + EF", "GIFT defaults", "GIFT defaults, no EF", "GIFT periodic K=10 (previous defaults)"):
+            i = result["codecs"].index(name)
+            ratio = (errors[:, i, selected] / errors[:, base, selected]).mean(dim=1)
+            width = min(WINDOW, len(ratio))
+            smoothed = torch.nn.functional.avg_pool1d(ratio[None, None], width, 1).flatten()
+            ax.plot(range(width, len(ratio) + 1), smoothed, label=name)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.axvline(first_step, color="grey", lw=0.5, ls=":")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("one-step error / Euclidean FP8 (attention layers, 10-step mean)")
+        ax.set_title(setup)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setups", nargs="+", choices=["wikitext", "shakespeare"], default=["wikitext", "shakespeare"])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--world", type=int, default=4, help="ranks (gloo processes)")
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--quick", action="store_true", help="WikiText-2 only, 60 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.setups, args.steps = ["wikitext"], 60
+    first_step = min(50, args.steps // 2)
+    all_setups = setups()
+    results, lines = {}, []
+    for name in args.setups:
+        setup = all_setups[name]
+        print(f"{setup.description}: {args.world} ranks x {args.tokens} tokens, {args.steps} steps, {len(codecs())} codecs ...", flush=True)
+        started = time.time()
+        results[name] = run_on_ranks(run_rank, args.world, setup, args.steps, args.tokens, args.lr, timeout=6 * 3600)[0]
+        headers, rows = summarize(results[name], first_step)
+        table = tabulate(rows, headers=headers, tablefmt="github")
+        fallbacks = ", ".join(f"{k}: {v}" for k, v in results[name]["fallbacks"].items() if v)
+        lines += [f"## {setup.description}", "",
+                  f"{args.world} ranks x {args.tokens} tokens per step, {args.steps} steps (AdamW lr {args.lr}, exact-gradient training; "
+                  f"loss {results[name]['losses'][0]:.2f} -> {results[name]['losses'][-1]:.2f}); one-step ratios averaged over steps "
+                  f"{first_step}..{args.steps - 1}; {time.time() - started:.0f} s.", "", table, "",
+                  f"Fallbacks taken: {fallbacks or 'none'}.", ""]
+        print("\n" + table + f"\nfallbacks: {fallbacks or 'none'}\n", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "fidelity_loop.md").write_text("# In-loop fidelity (`python benchmarks/fidelity_loop.py`)\n\n" + "\n".join(lines))
+    plot(results, first_step, RESULTS / "fidelity_loop.png")
+    print(f"wrote {RESULTS / 'fidelity_loop.md'} and fidelity_loop.png")
+
+
+if __name__ == "__main__":
+    main()
