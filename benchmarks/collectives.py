@@ -23,7 +23,7 @@ from common import median_seconds
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.comm import euclidean_reduce, fp8_reduce
 from gift_compile.geometry import Whitening, factorize, initial_basis, input_sketch, second_moment, whitening_from_sketch
-from gift_compile.launch import run_on_ranks
+from gift_compile.testing.ranks import run_on_ranks
 
 WIRES = {"fp32": WireFormat("fp32"), "bf16": WireFormat("bf16"), "fp8 euclidean": WireFormat("fp8")}
 

@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gift_compile.data import TokenBatcher, load_token_ids, vocab_size  # noqa: E402
-from gift_compile.fidelity import (  # noqa: E402
+from gift_compile.testing.text import TokenBatcher, load_token_ids, vocab_size  # noqa: E402
+from fidelity_harness import (  # noqa: E402
     EUCLIDEAN,
     FeedbackChannel,
     Method,
@@ -71,6 +71,8 @@ PAPER_TABLE1 = {
     "both": "~ input side",
 }
 PAPER_TABLE2 = {"diag": "~ no gain (~ Euclidean)", "r8": "", "r16": "", "r32": "~ full", "full": "1.77e-2 (Cholesky)"}
+
+PAPER_DAMPING = 1e-3  # the table methods' damping (the paper's setting) unless a method says otherwise
 
 LAYER_TYPES = {"wq": "q", "wk": "k", "wv": "v", "wo": "o", "w1": "w1", "w2": "w2", "w3": "w3", "lm_head": "output"}
 TYPE_ORDER = ["q", "k", "v", "o", "w1", "w2", "w3", "output"]
@@ -186,12 +188,12 @@ def table_methods(ranks: tuple[int, ...]) -> list[Method]:
     methods = [EUCLIDEAN]
     for fact in ("cholesky", "symmetric"):
         methods += [
-            Method(name=f"output-{fact}", side="output", factorization=fact),
-            Method(name=f"input-{fact}", side="input", factorization=fact),
-            Method(name=f"both-{fact}", side="both", factorization=fact),
+            Method(name=f"output-{fact}", side="output", factorization=fact, damping=PAPER_DAMPING),
+            Method(name=f"input-{fact}", side="input", factorization=fact, damping=PAPER_DAMPING),
+            Method(name=f"both-{fact}", side="both", factorization=fact, damping=PAPER_DAMPING),
         ]
-        methods += [Method(name=f"input-{fact}-r{r}", side="input", factorization=fact, rank=r) for r in ranks]
-    methods.append(Method(name="input-diag", side="input", diagonal=True))
+        methods += [Method(name=f"input-{fact}-r{r}", side="input", factorization=fact, rank=r, damping=PAPER_DAMPING) for r in ranks]
+    methods.append(Method(name="input-diag", side="input", diagonal=True, damping=PAPER_DAMPING))
     return methods
 
 
@@ -291,9 +293,9 @@ def evaluate_checkpoint(run: Run, model, layers, probe: TokenBatcher, heldout: T
 
 
 STALE_METHODS = (
-    Method(name="input-symmetric", side="input", factorization="symmetric"),
-    Method(name="input-cholesky", side="input", factorization="cholesky"),
-    Method(name="input-symmetric-r32", side="input", factorization="symmetric", rank=32),
+    Method(name="input-symmetric", side="input", factorization="symmetric", damping=PAPER_DAMPING),
+    Method(name="input-cholesky", side="input", factorization="cholesky", damping=PAPER_DAMPING),
+    Method(name="input-symmetric-r32", side="input", factorization="symmetric", rank=32, damping=PAPER_DAMPING),
     Method(name="input-symmetric-damp1e-2", side="input", factorization="symmetric", damping=1e-2),
     Method(name="input-symmetric-damp1e-1", side="input", factorization="symmetric", damping=1e-1),
 )
@@ -321,10 +323,10 @@ def stale_probe(run: Run, model, layers, probe: TokenBatcher, lag: int, refresh:
     return fresh
 
 
-def run_benchmark(s: Settings, *, log=print) -> Run:
+def run_benchmark(s: Settings, *, log=print, text: Path = TEXT, tokenizer: Path = TOKENIZER) -> Run:
     torch.manual_seed(s.seed)
-    ids = load_token_ids(TEXT, TOKENIZER, max_chars=s.max_chars)
-    model = build_model(s, vocab_size(TOKENIZER))
+    ids = load_token_ids(text, tokenizer, max_chars=s.max_chars)
+    model = build_model(s, vocab_size(tokenizer))
     layers = linear_layers(model)
     train = TokenBatcher(ids, s.seq_len, seed=s.seed)
     probe = TokenBatcher(ids, s.seq_len, seed=s.seed + 1)
@@ -338,7 +340,7 @@ def run_benchmark(s: Settings, *, log=print) -> Run:
     ef_layers = [name for name in layers if layer_type(name) in s.ef_types]
     channels = {name: {v: FeedbackChannel("e4m3", error_feedback=v[1]) for v in variants} for name in ef_layers}
     sums = {name: {"exact": None, **{v: None for v in variants}} for name in ef_layers}
-    ef_method = Method(name="input-symmetric", side="input", factorization="symmetric")
+    ef_method = Method(name="input-symmetric", side="input", factorization="symmetric", damping=PAPER_DAMPING)
     refresh = None
     stale_steps = {s.stale_refresh + lag: lag for lag in s.stale_lags}
     checkpoint_steps = {step: phase for phase, step in s.checkpoints.items()}

@@ -50,8 +50,8 @@ from fidelity import FULL, TYPE_ORDER, build_model, layer_type, linear_layers, l
 from gift_compile.collectives import WireFormat  # noqa: E402
 from gift_compile.comm import euclidean_reduce  # noqa: E402
 from gift_compile.config import GiftConfig  # noqa: E402
-from gift_compile.data import TokenBatcher, load_token_ids, vocab_size  # noqa: E402
-from gift_compile.launch import run_on_ranks  # noqa: E402
+from gift_compile.testing.text import TokenBatcher, load_token_ids, vocab_size  # noqa: E402
+from gift_compile.testing.ranks import run_on_ranks  # noqa: E402
 from gift_compile.reference import GiftReducer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -104,7 +104,7 @@ class Setup:
 
 
 def setups() -> dict[str, Setup]:
-    from gift_compile.titan_integration.data import DEFAULT_CORPUS, default_tokenizer_dir
+    from gift_compile.titan_integration.datasets import DEFAULT_CORPUS, default_tokenizer_dir
 
     return {
         "wikitext": Setup("wikitext", str(DATA / "wikitext-2" / "test.txt"), str(DATA / "tokenizer" / "tokenizer.json"),

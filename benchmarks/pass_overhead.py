@@ -49,7 +49,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 from gift_compile import GiftConfig, GiftReference, gift_backend, replicate
-from gift_compile.launch import run_on_ranks
+from gift_compile.testing.ranks import run_on_ranks
 
 DIM = 4096
 PATHS = {

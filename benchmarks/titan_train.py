@@ -31,7 +31,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gift_compile.titan_integration.jobs import JobResult, run_job  # noqa: E402
+from gift_compile.testing.titan_jobs import JobResult, run_job  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 RESULTS = ROOT / "benchmarks" / "results"

@@ -160,7 +160,7 @@ class GiftConfig:
     # -- derived choices -----------------------------------------------------------------------
     @property
     def whitening_layout(self) -> WhiteningLayout:
-        """How a whitened layer's factors are stored (``geometry.Whitening.kind``): symmetric
+        """How a whitened layer's factors are stored (``geometry.Whitening.layout``): symmetric
         low rank (also current-step full rank) never forms a ``d x d`` matrix."""
         if self.factor_source == "current_step" or (self.factorization == "symmetric" and self.low_rank is not None):
             return "lowrank"

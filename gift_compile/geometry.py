@@ -4,7 +4,7 @@ A weight gradient ``G`` (``d_out x d_in``) is sent as ``U = G T`` and recovered 
 ``G = U T^-1``. Every transform here is a right-multiplication, so it acts on each row of
 ``G`` independently: rows can be sharded (FSDP's dim-0 reduce-scatter) before or after it.
 
-Storage layouts (``Whitening.kind``):
+Storage layouts (``Whitening.layout``):
 
 * ``dense``    ``T`` and ``T^-1`` as ``d x d`` matrices: full symmetric ``A^-1/2`` or Cholesky
                ``L^-T`` (``T^-1 = L^T``, the paper's choice).
@@ -69,53 +69,53 @@ FACTOR_NAMES = {
 }
 
 
-def factor_shapes(kind: str, d: int, rank: int) -> list[tuple[int, ...]]:
+def factor_shapes(layout: str, d: int, rank: int) -> list[tuple[int, ...]]:
     """Shapes of a ``Whitening``'s tensors, in ``FACTOR_NAMES`` order."""
-    return {"dense": [(d, d), (d, d)], "lowrank": [(d, rank), (rank,), (rank,), (), ()]}[kind]
+    return {"dense": [(d, d), (d, d)], "lowrank": [(d, rank), (rank,), (rank,), (), ()]}[layout]
 
 
 @dataclass(frozen=True)
 class Whitening:
     """A transform applied as ``G -> G T`` together with its exact inverse.
 
-    ``kind`` says which tensors are meaningful:
+    ``layout`` says which tensors are meaningful:
 
     * ``dense``:   ``T`` (``d x d``) and ``T_inv``.
     * ``lowrank``: ``basis`` (``d x r``, orthonormal), ``coef``/``coef_inv`` (``r``),
       ``scale``/``scale_inv`` (0-d): ``G T = G * scale + ((G basis) * coef) basis^T``.
     """
 
-    kind: str
+    layout: str
     tensors: dict[str, torch.Tensor]
 
     def whiten(self, g: torch.Tensor) -> torch.Tensor:
-        return _apply(self.kind, self.tensors, g, inverse=False)
+        return _apply(self.layout, self.tensors, g, inverse=False)
 
     def unwhiten(self, u: torch.Tensor) -> torch.Tensor:
-        return _apply(self.kind, self.tensors, u, inverse=True)
+        return _apply(self.layout, self.tensors, u, inverse=True)
 
     def matrix(self, inverse: bool = False) -> torch.Tensor:
         """The dense ``T`` (or ``T^-1``); for tests and small ``d`` only."""
         d = self.dim
         eye = torch.eye(d, dtype=torch.float32, device=next(iter(self.tensors.values())).device)
-        return _apply(self.kind, self.tensors, eye, inverse=inverse)
+        return _apply(self.layout, self.tensors, eye, inverse=inverse)
 
     @property
     def dim(self) -> int:
-        return self.tensors[FACTOR_NAMES[self.kind][0]].shape[0]
+        return self.tensors[FACTOR_NAMES[self.layout][0]].shape[0]
 
     @classmethod
-    def from_list(cls, kind: str, tensors: list[torch.Tensor]) -> Whitening:
-        names = FACTOR_NAMES[kind]
+    def from_list(cls, layout: str, tensors: list[torch.Tensor]) -> Whitening:
+        names = FACTOR_NAMES[layout]
         if len(tensors) != len(names):
-            raise ValueError(f"a {kind} whitening has {len(names)} factor tensors {names}, got {len(tensors)}")
-        return cls(kind, dict(zip(names, tensors)))
+            raise ValueError(f"a {layout} whitening has {len(names)} factor tensors {names}, got {len(tensors)}")
+        return cls(layout, dict(zip(names, tensors)))
 
     def or_identity(self, on: torch.Tensor) -> Whitening:
         """This transform where ``on == 1`` and ``T = I`` where ``on == 0`` (a 0-d float), with no
         branch on the value: a layer switched to its Euclidean fallback runs the same graph."""
         t = self.tensors
-        if self.kind == "dense":
+        if self.layout == "dense":
             eye = torch.eye(self.dim, dtype=t["T"].dtype, device=t["T"].device)
             return Whitening("dense", {"T": t["T"] * on + eye * (1 - on), "T_inv": t["T_inv"] * on + eye * (1 - on)})
         blended = {name: t[name] * on for name in ("coef", "coef_inv")}
@@ -123,30 +123,30 @@ class Whitening:
         return Whitening("lowrank", {"basis": t["basis"], **blended})
 
 
-def _apply(kind: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool) -> torch.Tensor:
+def _apply(layout: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool) -> torch.Tensor:
     if g.dim() != 2:
         raise ValueError(f"whitening needs a 2-D (d_out, d_in) gradient, got shape {tuple(g.shape)}")
     suffix = "_inv" if inverse else ""
-    if kind == "dense":
+    if layout == "dense":
         return g @ t["T" + suffix]
-    if kind == "lowrank":
+    if layout == "lowrank":
         basis = t["basis"]
         return g * t["scale" + suffix] + ((g @ basis) * t["coef" + suffix]) @ basis.T
-    raise ValueError(f"unknown whitening kind {kind!r}")
+    raise ValueError(f"unknown whitening layout {layout!r}")
 
 
-def identity_whitening(kind: str, dim: int, rank: int) -> Whitening:
-    """The transform ``T = I`` in the storage layout of ``kind`` (factors before the first refresh)."""
-    if kind == "dense":
+def identity_whitening(layout: str, dim: int, rank: int) -> Whitening:
+    """The transform ``T = I`` in ``layout`` (factors before the first refresh)."""
+    if layout == "dense":
         eye = torch.eye(dim)
         return Whitening("dense", {"T": eye, "T_inv": eye.clone()})
-    if kind == "lowrank":
+    if layout == "lowrank":
         zeros = torch.zeros(rank)
         return Whitening(
             "lowrank",
             {"basis": initial_basis(dim, rank), "coef": zeros, "coef_inv": zeros.clone(), "scale": torch.ones(()), "scale_inv": torch.ones(())},
         )
-    raise ValueError(f"unknown whitening kind {kind!r}")
+    raise ValueError(f"unknown whitening layout {layout!r}")
 
 
 def initial_basis(dim: int, rank: int, *, seed: int = 0) -> torch.Tensor:
@@ -303,5 +303,5 @@ def factorize(
     )
 
 
-def _to_fp32(kind: str, tensors: dict[str, torch.Tensor]) -> Whitening:
-    return Whitening(kind, {name: t.float().contiguous() for name, t in tensors.items()})
+def _to_fp32(layout: str, tensors: dict[str, torch.Tensor]) -> Whitening:
+    return Whitening(layout, {name: t.float().contiguous() for name, t in tensors.items()})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,6 +28,8 @@ class GiftRuntime:
     config: GiftConfig
     state: GiftState = field(init=False)
     counters: dict[str, LayerCounters] = field(default_factory=dict)
+    integration: Any = None
+    """What an integration's graph pass needs from its session (torchtitan: ``graph_pass.PassContext``)."""
 
     def __post_init__(self) -> None:
         self.state = GiftState(self.config)
@@ -113,6 +116,12 @@ def register_runtime(namespace: str, config: GiftConfig) -> GiftRuntime:
         return runtime
 
 
+def forget_runtimes() -> None:
+    """Drop every registered runtime: a fresh process's view (a test pool between calls)."""
+    with _LOCK:
+        _RUNTIMES.clear()
+
+
 def get_runtime(namespace: str) -> GiftRuntime:
     try:
         return _RUNTIMES[namespace]
@@ -123,4 +132,4 @@ def get_runtime(namespace: str) -> GiftRuntime:
         ) from None
 
 
-__all__ = ["GiftRuntime", "get_runtime", "register_runtime"]
+__all__ = ["GiftRuntime", "forget_runtimes", "get_runtime", "register_runtime"]

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from gift_compile.collectives import WireFormat, _pack, _encode, _chunked, all_reduce, bytes_sent, layout, reduce_scatter
-from gift_compile.launch import run_on_ranks
 
 SHAPES = [(10, 7), (9,), (1, 3), (300, 200), (6, 2, 3)]
 WIRES = {
@@ -48,9 +47,9 @@ def collective_cases(rank, world):
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda w: f"world{w}")
-def results(request):
+def results(request, ranks):
     world = request.param
-    return world, run_on_ranks(collective_cases, world)
+    return world, ranks(world).run(collective_cases)
 
 
 def exact(shape, world, op):

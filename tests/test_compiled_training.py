@@ -17,7 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from gift_compile import GiftConfig, GiftReference, gift_backend, replicate
-from gift_compile.launch import run_on_ranks
+from gift_compile.testing.ranks import run_on_ranks
 from gift_compile.runtime import LayerCounters
 from models import MLP
 
@@ -78,8 +78,8 @@ def cache_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cold_run(cache_root):
-    return run_on_ranks(train_side_by_side, 2, cache_root, STEPS, "cold")
+def cold_run(cache_root, ranks):
+    return ranks(2).run(train_side_by_side, cache_root, STEPS, "cold")
 
 
 def test_compiled_gradients_match_the_eager_reference(cold_run):
@@ -101,10 +101,10 @@ def test_counters_report_every_step(cold_run):
     assert torch.equal(cold_run[0]["final_weight"], cold_run[1]["final_weight"])
 
 
-def test_a_single_rank_with_periodic_factors_matches_the_reference(tmp_path):
+def test_a_single_rank_with_periodic_factors_matches_the_reference(tmp_path, ranks):
     # One process on one GPU is a common first run: every collective is then a local copy
     # and the FP8 messages of the all-to-all sit back to back in one row.
-    (result,) = run_on_ranks(train_side_by_side, 1, str(tmp_path), 12, "single", PERIODIC)
+    (result,) = ranks(1).run(train_side_by_side, str(tmp_path), 12, "single", PERIODIC)
     assert result["worst"]["weight"] == 0.0 and result["worst"]["bias"] < 1e-6
     assert result["fc2"]["path"] == "gift" and result["fc2"]["refreshes"] == 3
     assert result["fc2"]["last_refresh_step"] == 10
@@ -168,8 +168,8 @@ def train_with_checkpoint(rank, world, cache_root):
     return straight[4:], resumed
 
 
-def test_checkpoint_and_resume_reproduces_the_losses(cache_root):
-    for straight, resumed in run_on_ranks(train_with_checkpoint, 2, cache_root):
+def test_checkpoint_and_resume_reproduces_the_losses(cache_root, ranks):
+    for straight, resumed in ranks(2).run(train_with_checkpoint, cache_root):
         assert straight == resumed  # exact: same state, same ops, same order
 
 
@@ -207,8 +207,8 @@ def dtensor_step(rank, world):
     return {n: (p.grad.to_local() - r.grad).abs().max().item() for (n, p), r in zip(model.named_parameters(), reference_model.parameters())}
 
 
-def test_dtensor_replicate_route_matches_the_reference():
-    for diffs in run_on_ranks(dtensor_step, 2):
+def test_dtensor_replicate_route_matches_the_reference(ranks):
+    for diffs in ranks(2).run(dtensor_step):
         assert diffs["fc1.weight"] == 0.0 and diffs["fc2.weight"] == 0.0
         assert diffs["fc1.bias"] < 1e-5 and diffs["fc2.bias"] < 1e-5
 
@@ -224,8 +224,8 @@ def non_finite_step(rank, world):
     return {n: bool(torch.isfinite(p.grad).all()) for n, p in model.named_parameters()}
 
 
-def test_non_finite_gradients_propagate_to_every_rank():
-    for finite in run_on_ranks(non_finite_step, 2):
+def test_non_finite_gradients_propagate_to_every_rank(ranks):
+    for finite in ranks(2).run(non_finite_step):
         assert not any(finite.values())  # every reduced gradient shows the NaN, no crash
 
 
@@ -258,8 +258,8 @@ def ddp_compiled_autograd_steps(rank, world, cache_root, steps=3):
     return diffs, paths
 
 
-def test_ddp_compiled_autograd_route_matches_the_reference(cache_root):
-    for diffs, paths in run_on_ranks(ddp_compiled_autograd_steps, 2, cache_root):
+def test_ddp_compiled_autograd_route_matches_the_reference(cache_root, ranks):
+    for diffs, paths in ranks(2).run(ddp_compiled_autograd_steps, cache_root):
         # Layers are found through the parameters the compiled-autograd graph accumulates into;
         # DDP's FQNs carry its "module." prefix, which the trailing-component pattern "fc2" matches.
         assert paths == {"module.fc1": ("fp8", 3), "module.fc2": ("gift", 3)}

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gift_compile.data import TokenBatcher, load_token_ids, vocab_size
-from gift_compile.fidelity import (
+from gift_compile.testing.text import TokenBatcher, load_token_ids, vocab_size
+from fidelity_harness import (
     EUCLIDEAN,
     FeedbackChannel,
     Method,
@@ -37,8 +37,13 @@ from gift_compile.geometry import identity_whitening
 from gift_compile.numerics import fidelity, fp4_e2m1_round_trip, fp8_round_trip
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path("../shared/data")  # relative to the project root, as the benchmark reads it
-pytestmark = pytest.mark.skipif(not (ROOT / DATA).exists(), reason="needs ../shared/data (WikiText-2 + tokenizer)")
+
+
+def bundled_text() -> tuple[Path, Path]:
+    """The corpus and tokenizer that ship with the project (the benchmark reads WikiText-2)."""
+    from gift_compile.titan_integration.datasets import DEFAULT_CORPUS, default_tokenizer_dir
+
+    return DEFAULT_CORPUS, default_tokenizer_dir() / "tokenizer.json"
 
 
 def _bench():
@@ -58,26 +63,22 @@ def bench():
 
 @pytest.fixture(scope="module")
 def tiny_run(bench):
-    return bench.run_benchmark(bench.TINY, log=lambda msg: None)
+    text, tokenizer = bundled_text()
+    return bench.run_benchmark(bench.TINY, log=lambda msg: None, text=text, tokenizer=tokenizer)
 
 
 def _tiny_samples(bench, seed: int):
     s = bench.TINY
-    ids = load_token_ids(bench.TEXT, bench.TOKENIZER, max_chars=s.max_chars)
-    model = bench.build_model(s, vocab_size(bench.TOKENIZER))
+    ids = load_token_ids(*bundled_text(), max_chars=s.max_chars)
+    model = bench.build_model(s, vocab_size(bundled_text()[1]))
     layers = bench.linear_layers(model)
     batches = TokenBatcher(ids, s.seq_len, seed=seed).batches(s.token_counts[0], s.micro_seqs)
     return model, layers, capture_layers(model, layers, batches, bench.loss_fn)
 
 
-def test_data_paths_are_relative_to_the_project_root(bench):
-    assert bench.TEXT.resolve() == (ROOT / DATA / "wikitext-2" / "test.txt").resolve()
-    assert bench.TOKENIZER.resolve() == (ROOT / DATA / "tokenizer" / "tokenizer.json").resolve()
-
-
 def test_token_batcher_shapes_shift_and_determinism(bench):
-    ids = load_token_ids(bench.TEXT, bench.TOKENIZER, max_chars=5000)
-    assert ids.dtype == torch.int64 and int(ids.max()) < vocab_size(bench.TOKENIZER)
+    ids = load_token_ids(*bundled_text(), max_chars=5000)
+    assert ids.dtype == torch.int64 and int(ids.max()) < vocab_size(bundled_text()[1])
     a, b = TokenBatcher(ids, 16, seed=3), TokenBatcher(ids, 16, seed=3)
     x, y = a.batch(4)
     assert x.shape == y.shape == (4, 16)
@@ -91,7 +92,7 @@ def test_capture_accumulates_the_mean_loss_gradient(bench):
     """Micro-batch accumulation must equal one big batch, and A must be E[x x^T] of the inputs."""
     model, layers, samples = _tiny_samples(bench, seed=5)
     s = bench.TINY
-    ids = load_token_ids(bench.TEXT, bench.TOKENIZER, max_chars=s.max_chars)
+    ids = load_token_ids(*bundled_text(), max_chars=s.max_chars)
     batches = TokenBatcher(ids, s.seq_len, seed=5).batches(s.token_counts[0], s.micro_seqs)
     inputs, targets = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     seen = {}
@@ -129,7 +130,7 @@ def test_euclidean_equals_direct_codec_and_identity_whitening(bench, fmt):
 def test_harness_rows_match_an_independent_computation(bench):
     """evaluate_checkpoint on a fresh model == fp8_round_trip of independently captured gradients."""
     s = bench.TINY
-    ids = load_token_ids(bench.TEXT, bench.TOKENIZER, max_chars=s.max_chars)
+    ids = load_token_ids(*bundled_text(), max_chars=s.max_chars)
     model, layers, samples = _tiny_samples(bench, seed=11)
     run = bench.Run(s)
     bench.evaluate_checkpoint(run, model, layers, TokenBatcher(ids, s.seq_len, seed=11), TokenBatcher(ids, s.seq_len, seed=12), "late", 0, lambda m: None)
@@ -140,7 +141,7 @@ def test_harness_rows_match_an_independent_computation(bench):
             (row,) = [r for r in run.rows if r["layer"] == name and r["method"] == "euclidean" and r["fmt"] == fmt]
             assert row["rel_l2"] == pytest.approx(fidelity(fp8_round_trip(sample.grad, fmt), sample.grad).rel_l2.item(), rel=1e-4)
             (row,) = [r for r in run.rows if r["layer"] == name and r["method"] == "input-symmetric" and r["fmt"] == fmt and r["a"] == "same"]
-            method = Method(name="input-symmetric", side="input", factorization="symmetric")
+            method = Method(name="input-symmetric", side="input", factorization="symmetric", damping=1e-3)
             expected = measure(sample.grad, build_transform(method, sample.input_moment), fmt)["rel_l2"]
             assert row["rel_l2"] == pytest.approx(expected, rel=1e-3)
         (row,) = [r for r in run.rows if r["layer"] == name and r["method"] == "euclidean" and r["fmt"] == "fp4_b16"]
@@ -158,7 +159,7 @@ def test_known_whitening_reproduces_the_hand_computation():
     """
     a = torch.tensor([[4.0, 3.0], [3.0, 4.0]])
     g = torch.tensor([[5.0, 1.0]])
-    chol = Method(name="c", side="input", factorization="cholesky")
+    chol = Method(name="c", side="input", factorization="cholesky", damping=1e-3)
     transform = build_transform(chol, a, damping=1e-12)
     torch.testing.assert_close(transform["input"].whiten(g), torch.tensor([[2.5, -2.0788046]]), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(round_trip(g, transform, "e4m3"), torch.tensor([[5.0, 3.75 - math.sqrt(1.75) * 384 * 2.5 / 448]]), rtol=1e-5, atol=1e-5)
@@ -186,7 +187,7 @@ def test_error_feedback_telescopes(whitened):
     d_out, d_in, steps = 16, 24, 60
     mix = torch.randn(d_in, d_in) * torch.logspace(-2, 0, d_in)
     moment = lambda: (lambda x: x.T @ x / x.shape[0])(torch.randn(256, d_in) @ mix)  # noqa: E731
-    method = Method(name="s", side="input", factorization="symmetric")
+    method = Method(name="s", side="input", factorization="symmetric", damping=1e-3)
     ef, plain = FeedbackChannel("e5m2", error_feedback=True), FeedbackChannel("e5m2", error_feedback=False)
     total, sent_ef, sent_plain = torch.zeros(d_out, d_in, dtype=torch.float64), 0, 0
     for step in range(steps):
@@ -220,7 +221,10 @@ def test_tiny_harness_end_to_end(bench, tiny_run, tmp_path):
     layers = {r["layer"] for r in rows}
     assert len(layers) == 7 * s.n_layers + 1  # wq wk wv wo w1 w2 w3 per block + lm_head
     for r in rows:
-        assert math.isfinite(r["rel_l2"]) and 0.9 < r["cosine"] <= 1.0 + 1e-6
+        assert math.isfinite(r["rel_l2"]) and r["cosine"] <= 1.0 + 1e-6
+        # Factors from the very tokens sent keep the round trip close; held-out factors need
+        # not (on this 32-wide model they can lose to Euclidean by far: the staleness story).
+        assert r["a"] != "same" or r["cosine"] > 0.9, r
     for fmt, floor in (("e4m3", 2.0**-4), ("e5m2", 2.0**-3)):
         eu = [r["rel_l2"] for r in rows if r["method"] == "euclidean" and r["fmt"] == fmt]
         assert eu and all(0 < v <= floor for v in eu)

@@ -47,7 +47,7 @@ def test_full_rank_low_rank_equals_full_symmetric():
     a = anisotropic_moment(20)
     low = factorize(a, factorization="symmetric", rank=20, damping=1e-3)
     full = factorize(a, factorization="symmetric", rank=None, damping=1e-3)
-    assert low.kind == "lowrank" and full.kind == "dense"
+    assert low.layout == "lowrank" and full.layout == "dense"
     torch.testing.assert_close(low.matrix(), full.matrix(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(low.matrix(inverse=True), full.matrix(inverse=True), atol=1e-4, rtol=1e-4)
 

@@ -17,7 +17,6 @@ from torch import nn
 
 from gift_compile import GiftConfig, gift_backend, replicate
 from gift_compile import comm
-from gift_compile.launch import run_on_ranks
 from gift_compile.reference import GiftReducer
 from oracle import OracleLayer
 
@@ -67,12 +66,12 @@ def assert_agrees(got, want, what):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("factor_source", ["current_step", "periodic"])
 @pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
-def test_eager_path_matches_the_oracle(world, factor_source, collective):
+def test_eager_path_matches_the_oracle(world, factor_source, collective, ranks):
     # Error feedback on 2 ranks (8 steps, refreshes at 0/3/6 when periodic); without it on 3
     # ranks, whose uneven rows pad the last shard.
     config = config_for(factor_source, error_feedback=world == 2)
     steps = 8
-    outputs = run_on_ranks(eager_steps, world, config, collective, steps)
+    outputs = ranks(world).run(eager_steps, config, collective, steps)
     got = [torch.cat([o[s] for o in outputs])[:D_OUT] if collective == "reduce_scatter" else outputs[0][s] for s in range(steps)]
     assert_agrees(got, oracle_outputs(world, config, collective, steps), f"{world} ranks, {factor_source}, {collective}")
 
@@ -102,11 +101,11 @@ def compiled_steps(rank, world, config, steps):
 
 
 @pytest.mark.parametrize("factor_source", ["current_step", "periodic"])
-def test_compiled_path_matches_the_oracle(factor_source):
+def test_compiled_path_matches_the_oracle(factor_source, ranks):
     # replicate() averages with an all_reduce in the compiled backward: whitened FP8
     # reduce-scatter, owner re-quantization with error feedback, FP8 all-gather.
     config = config_for(factor_source)
-    outputs = run_on_ranks(compiled_steps, 2, config, 8)
+    outputs = ranks(2).run(compiled_steps, config, 8)
     assert_agrees(outputs[0], oracle_outputs(2, config, "all_reduce", 8), f"compiled, {factor_source}")
 
 
@@ -121,21 +120,23 @@ def residual_across_a_refresh(rank, world):
         return result
 
     comm.fp8_reduce_scatter = spy
-    reducer = GiftReducer(config_for("periodic"))
-    factors, grads = [], []
-    for step in range(4):  # refreshes at steps 0 and 3
-        grad_out, x = step_data(rank, step)
-        grads.append(grad_out.T @ x)
-        reducer.reduce_layer("fc", grads[-1], x, collective="reduce_scatter")
-        factors.append([t.clone() for t in reducer.state.layer("fc").factor_tensors()])
-    comm.fp8_reduce_scatter = original
+    try:
+        reducer = GiftReducer(config_for("periodic"))
+        factors, grads = [], []
+        for step in range(4):  # refreshes at steps 0 and 3
+            grad_out, x = step_data(rank, step)
+            grads.append(grad_out.T @ x)
+            reducer.reduce_layer("fc", grads[-1], x, collective="reduce_scatter")
+            factors.append([t.clone() for t in reducer.state.layer("fc").factor_tensors()])
+    finally:
+        comm.fp8_reduce_scatter = original
     return sent, factors, grads
 
 
-def test_residual_moves_into_the_new_coordinates_at_a_refresh():
+def test_residual_moves_into_the_new_coordinates_at_a_refresh(ranks):
     # R_old = V_2 - deq(Q(V_2)) in step 2's coordinates; step 3 refreshes T, and what it sends
     # must be G_3 T_new + R_old T_old^-1 T_new (the paper's move), checked in float64.
-    (sent, factors, grads), = run_on_ranks(residual_across_a_refresh, 1)
+    (sent, factors, grads), = ranks(1).run(residual_across_a_refresh)
     dense = [_dense(f) for f in factors]
     (t_old, t_old_inv), (t_new, _) = dense[2], dense[3]
     assert (t_new - t_old).norm() > 0.1 * t_old.norm()  # the refresh really changed T

@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from gift_compile.config import GiftConfig
-from gift_compile.launch import run_on_ranks
 from gift_compile.numerics import fp8_round_trip
 from gift_compile.reference import GiftReducer, GiftReference
 from gift_compile.state import GiftState
@@ -51,8 +50,8 @@ CONFIG = GiftConfig(layers=("fc",), low_rank=8, fallback=False)
 
 
 @pytest.fixture(scope="module")
-def all_reduce_run():
-    return run_on_ranks(run_steps, 2, CONFIG, "all_reduce")
+def all_reduce_run(ranks):
+    return ranks(2).run(run_steps, CONFIG, "all_reduce")
 
 
 def test_reduced_gradients_and_bases_are_identical_on_all_ranks(all_reduce_run):
@@ -90,14 +89,14 @@ def running_sum_errors(outputs, world):
 
 
 @pytest.mark.parametrize("whitened", [True, False], ids=["gift", "euclidean"])
-def test_error_feedback_bounds_the_accumulated_error(whitened):
+def test_error_feedback_bounds_the_accumulated_error(whitened, ranks):
     # Reduce-scatter quantizes once, on the sender: with error feedback the sum of what was
     # sent telescopes to the sum of the true gradients minus the last residual, so the running
     # error stays O(one step). Without it the systematic rounding error adds up every step.
     config = CONFIG.replace(euclidean_error_feedback=True)
-    with_ef = run_on_ranks(run_steps, 2, config, "reduce_scatter", STEPS, whitened)[0]["outputs"]
+    with_ef = ranks(2).run(run_steps, config, "reduce_scatter", STEPS, whitened)[0]["outputs"]
     without = config.replace(error_feedback=False, euclidean_error_feedback=False)
-    without_ef = run_on_ranks(run_steps, 2, without, "reduce_scatter", STEPS, whitened)[0]["outputs"]
+    without_ef = ranks(2).run(run_steps, without, "reduce_scatter", STEPS, whitened)[0]["outputs"]
     ef_errors, plain_errors = running_sum_errors(with_ef, 2), running_sum_errors(without_ef, 2)
     print(f"accumulated error after {STEPS} steps: with EF {ef_errors[-1]:.3g}, without {plain_errors[-1]:.3g}")
     assert max(ef_errors[STEPS // 2 :]) < 2 * max(ef_errors[: STEPS // 2])  # bounded, not growing
@@ -114,8 +113,8 @@ def mismatched_shapes(rank, world, factor_source):
 
 
 @pytest.mark.parametrize("factor_source", ["current_step", "periodic"])
-def test_mismatched_shapes_across_ranks_raise(factor_source):
-    assert run_on_ranks(mismatched_shapes, 2, factor_source) == [True, True]
+def test_mismatched_shapes_across_ranks_raise(factor_source, ranks):
+    assert ranks(2).run(mismatched_shapes, factor_source) == [True, True]
 
 
 def metered_steps(rank, world, config):
@@ -137,9 +136,9 @@ def metered_steps(rank, world, config):
     return readings, expected
 
 
-def test_meter_reports_gift_error_over_fp8_error_summed_over_ranks():
+def test_meter_reports_gift_error_over_fp8_error_summed_over_ranks(ranks):
     config = CONFIG.replace(meter_interval=5)
-    (readings0, sums0), (readings1, sums1) = run_on_ranks(metered_steps, 2, config)
+    (readings0, sums0), (readings1, sums1) = ranks(2).run(metered_steps, config)
     assert readings0 == readings1  # one verdict on every rank
     for step in range(12):
         reading = readings0[step]
@@ -168,8 +167,8 @@ def falling_back(rank, world):
     return paths
 
 
-def test_a_layer_that_whitening_hurts_falls_back_and_is_retried():
-    paths = run_on_ranks(falling_back, 2)[0]
+def test_a_layer_that_whitening_hurts_falls_back_and_is_retried(ranks):
+    paths = ranks(2).run(falling_back)[0]
     ratios = [p[0] for p in paths]
     assert ratios[1] > 1 and ratios[2] > 1  # stale factors: worse than FP8
     # Two readings above 1 (steps 1 and 2) -> Euclidean FP8 for steps 3..5, GIFT again at 6.
@@ -200,9 +199,9 @@ def model_step(rank, world, config):
 
 
 @pytest.mark.parametrize("euclidean_error_feedback", [False, True])
-def test_reference_reduces_every_parameter_of_a_model(euclidean_error_feedback):
+def test_reference_reduces_every_parameter_of_a_model(euclidean_error_feedback, ranks):
     config = GiftConfig(layers=("fc2",), low_rank=4, euclidean_error_feedback=euclidean_error_feedback)
-    results = run_on_ranks(model_step, 2, config)
+    results = ranks(2).run(model_step, config)
     (local0, reduced0, selected), (local1, reduced1, _) = results
     assert selected == ["fc2"]
     for name in local0:

@@ -117,7 +117,7 @@ def test_shims_are_not_applied_on_import():
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    import gift_compile.titan_integration.configs  # noqa: F401  (imports torchtitan)
+    import gift_compile.titan_integration.job_configs  # noqa: F401  (imports torchtitan)
     import torchtitan.tools.utils as utils
 
     from gift_compile.titan_integration import cpu_support

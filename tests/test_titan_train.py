@@ -1,8 +1,8 @@
-"""2-rank CPU torchtitan (graph_trainer) runs of the Llama-3 debug model on WikiText-2, GIFT on.
+"""2-rank CPU torchtitan (graph_trainer) runs of the Llama-3 debug model, GIFT on.
 
 One module-scoped 20-step run from a TOML job file with ``[gift] enabled = true`` (checkpoint
-every 10 steps), and one run that resumes from its step-10 checkpoint. About 1.5 minutes on
-2 shared cores.
+every 10 steps) on the bundled corpus and tokenizer, and one run that resumes from its
+step-10 checkpoint. About 1.5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -15,22 +15,13 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from gift_compile.titan_integration.jobs import run_job  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-WIKITEXT = DATA / "wikitext-2" / "test.txt"
-TOKENIZER = DATA / "tokenizer"
-
-pytestmark = pytest.mark.skipif(not WIKITEXT.is_file() or not TOKENIZER.is_dir(), reason="needs ../shared/data (WikiText-2 and tokenizer)")
+from gift_compile.testing.titan_jobs import run_job  # noqa: E402
 
 STEPS = 20
 
 
 def write_job(path: Path) -> Path:
     path.write_text(f"""
-hf_assets_path = "{TOKENIZER}"
-
 [launch]
 nproc = 2
 config = "llama3_debug"
@@ -39,10 +30,6 @@ config = "llama3_debug"
 steps = {STEPS}
 local_batch_size = 2
 seq_len = 256
-
-[dataloader]
-dataset = "text_lines"
-dataset_path = "{WIKITEXT}"
 
 [checkpoint]
 enable = true

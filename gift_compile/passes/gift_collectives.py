@@ -77,7 +77,7 @@ class GradientCollective:
 
     collective: fx.Node
     wait: fx.Node
-    kind: str  # "all_reduce" | "reduce_scatter"
+    collective_type: str  # "all_reduce" | "reduce_scatter"
     op: str  # "sum" | "avg"
     group_name: str
     mm: fx.Node | None  # the weight-gradient mm, if found
@@ -86,7 +86,7 @@ class GradientCollective:
 
 def find_gradient_collectives(graph: fx.Graph) -> list[GradientCollective]:
     found = []
-    for target, kind in COLLECTIVES.items():
+    for target, collective_type in COLLECTIVES.items():
         for node in graph.find_nodes(op="call_function", target=target):
             kwargs = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
             waits = [u for u in node.users if u.target is WAIT]
@@ -98,7 +98,7 @@ def find_gradient_collectives(graph: fx.Graph) -> list[GradientCollective]:
                 origin = innermost_module(mm)
                 if origin is not None and (origin[1] is None or is_linear_type(origin[1])):
                     fqn = origin[0]
-            found.append(GradientCollective(node, waits[0], kind, kwargs["reduce_op"], kwargs["group_name"], mm, fqn))
+            found.append(GradientCollective(node, waits[0], collective_type, kwargs["reduce_op"], kwargs["group_name"], mm, fqn))
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(found, key=lambda g: order[g.collective])
 
@@ -176,7 +176,7 @@ def rewrite_stateful(graph: fx.Graph, found: GradientCollective, config: GiftCon
     """Replace a Linear weight-gradient collective by the two halves of ``layer_step``: the
     statistics right after the layer's input exists, the reduction where the collective was."""
     d_out, d_in = found.mm.meta["val"].shape
-    plan = LayerPlan(found.fqn, d_out, d_in, whitened, found.kind, found.op, found.group_name, config)
+    plan = LayerPlan(found.fqn, d_out, d_in, whitened, found.collective_type, found.op, found.group_name, config)
     access = OpsAccess(namespace)
     layer_input = found.mm.args[1]
     early = [n for n in splice_traced(graph, lambda x: issue_statistics(plan, access, x), [layer_input], after=layer_input) if n is not None]
@@ -196,11 +196,11 @@ def rewrite_euclidean(graph: fx.Graph, found: GradientCollective, config: GiftCo
     counted under ``found.fqn`` (also used by integrations for non-Linear 2-D gradients)."""
     wire = WireFormat.euclidean(config)
     shape = tuple(found.collective.args[0].meta["val"].shape)
-    nbytes = bytes_sent(shape, world_size(found), wire, found.kind, config.all_gather_dtype)
+    nbytes = bytes_sent(shape, world_size(found), wire, found.collective_type, config.all_gather_dtype)
     group = _resolve_process_group(found.group_name)
 
     def replacement(grad):
-        reduction = euclidean_reduce(grad, op=found.op, group=group, wire=wire, collective=found.kind,
+        reduction = euclidean_reduce(grad, op=found.op, group=group, wire=wire, collective=found.collective_type,
                                      gather_dtype=config.all_gather_dtype)
         record_euclidean_step(namespace, found.fqn, config.euclidean_dtype, reduction.stats, nbytes)
         return reduction.output

@@ -9,9 +9,8 @@ Nothing is imported or patched here: importing ``gift_compile`` never touches to
 - ``autoselect``   boundary-hit rates -> chosen layers
 - ``checkpoint``   GIFT state as a DCP stateful (``states["gift"]``)
 - ``trainer``      GiftGraphTrainer (supported) and GiftTrainer (standard, GIFT refused)
-- ``configs``      config registry: llama3_debug, llama3_debug_standard, llama3_8b
-- ``data``         local datasets and the bundled corpus / default tokenizer
+- ``job_configs``  config registry: llama3_debug, llama3_debug_standard, llama3_8b
+- ``datasets``     local datasets and the bundled corpus / default tokenizer
 - ``launcher``     ``gift-titan job.toml``: TOML front-end and torchrun
 - ``entry``        per-rank entry point started by torchrun
-- ``jobs``         run a job and read its records (tests, benchmarks)
 """

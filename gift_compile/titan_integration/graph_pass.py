@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -37,10 +36,12 @@ from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.passes import gift_collectives as gc
 from gift_compile.passes.graph_utils import innermost_module
+from gift_compile.runtime import get_runtime
 
 log = logging.getLogger(__name__)
 
 PIPELINE_NAME = "gift"
+NAMESPACE = "titan"  # the GiftRuntime (runtime.py registry) the session and this pass share
 
 
 @dataclass
@@ -69,21 +70,21 @@ class PassContext:
     accounting: GraphAccounting = field(default_factory=GraphAccounting)
 
 
-_CONTEXTS: dict[str, PassContext] = {}
-
-
 def set_pass_context(context: PassContext) -> None:
-    _CONTEXTS[context.namespace] = context
+    get_runtime(context.namespace).integration = context
 
 
 def get_pass_context(namespace: str) -> PassContext:
     try:
-        return _CONTEXTS[namespace]
-    except KeyError:
+        context = get_runtime(namespace).integration
+    except RuntimeError:
+        context = None
+    if not isinstance(context, PassContext):
         raise RuntimeError(
             f"no GIFT session {namespace!r} in this process: the 'gift' pass pipeline needs the trainer "
             "from gift_compile.titan_integration (GiftGraphTrainer) with [gift] enabled = true"
-        ) from None
+        )
+    return context
 
 
 def _dense_wire(dtype: torch.dtype) -> WireFormat:
@@ -105,7 +106,7 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         )
     for g in found:
         shape = tuple(g.collective.args[0].meta["val"].shape)
-        accounting.fp32_bytes += bytes_sent(shape, gc.world_size(g), WireFormat("fp32"), g.kind)
+        accounting.fp32_bytes += bytes_sent(shape, gc.world_size(g), WireFormat("fp32"), g.collective_type)
         if g.fqn is not None:
             accounting.numel[g.fqn] = int(torch.Size(shape).numel())
 
@@ -126,7 +127,7 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
             accounting.rewritten_euclidean.append(name)
             accounting.numel[name] = int(val.numel())
             continue
-        accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.kind)
+        accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.collective_type)
 
     graph.lint()
     gm.recompile()
@@ -144,11 +145,6 @@ def _origin_name(g: gc.GradientCollective) -> str:
     node = g.collective.args[0]
     origin = innermost_module(node)
     return origin[0] if origin is not None else node.name
-
-
-def op_counts(gm: fx.GraphModule) -> dict[str, int]:
-    """``{str(target): count}`` of the call_function nodes (the enabled=false snapshot)."""
-    return dict(sorted(Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function").items()))
 
 
 # graph_trainer passes that cannot run beside GIFT: a CUDA graph replays captured kernels
@@ -171,8 +167,6 @@ def gift_pass_pipeline(traced_result, config, *, parallel_dims=None) -> list:
     gift = getattr(config, "gift", None)
     if gift is None or not gift.enabled:
         return passes
-    from gift_compile.titan_integration.session import NAMESPACE
-
     return [functools.partial(gift_joint_graph_pass, namespace=NAMESPACE), *passes]
 
 
@@ -183,4 +177,4 @@ def register_pipeline() -> None:
     register_pass_pipeline(PIPELINE_NAME)(gift_pass_pipeline)
 
 
-__all__ = ["INCOMPATIBLE_PASSES", "PIPELINE_NAME", "GraphAccounting", "disable_incompatible_passes", "PassContext", "gift_joint_graph_pass", "gift_pass_pipeline", "op_counts", "register_pipeline"]
+__all__ = ["INCOMPATIBLE_PASSES", "NAMESPACE", "PIPELINE_NAME", "GraphAccounting", "disable_incompatible_passes", "PassContext", "gift_joint_graph_pass", "gift_pass_pipeline", "register_pipeline"]

@@ -5,9 +5,9 @@ A job file holds torchtitan's config sections as TOML tables, ``[gift]``, and ``
     dump_folder = "./outputs/debug"      # top-level Config fields (before any table)
 
     [launch]
-    nproc = 2                            # ranks (torchrun --nproc_per_node)
-    config = "llama3_debug"              # a function of the config module below
-    module = "gift_compile.titan_integration.configs"
+    nproc = 2                            # ranks on this node (torchrun --nproc_per_node)
+    config = "llama3_debug"              # one of gift_compile.titan_integration.job_configs.CONFIGS
+    # nnodes = 2, node_rank = 0, master_addr = "10.0.0.1", master_port = 29500   (multi-node)
 
     [training]
     steps = 20
@@ -22,7 +22,12 @@ value stops the launch with a message listing the valid keys. Flags on the comma
 override the file. The result becomes torchtitan's own ``--section.field`` flags, parsed once
 more by torchtitan's ``ConfigManager`` here (``--dry-run`` stops after that and prints the
 torchrun command), then ``torchrun`` starts ``nproc`` ranks of
-``gift_compile.titan_integration.entry``.
+``gift_compile.titan_integration.entry`` on this node. One node: ``torchrun --standalone``
+(a free port). Several: every node runs the same job file with its own ``--node-rank``
+(``[launch] nnodes``, ``master_addr``, ``master_port`` shared).
+
+Only this project's config registry may be named in ``[launch]`` (``module``), and only one of
+its registered configs (``config``): a job file never imports or calls other code.
 """
 
 from __future__ import annotations
@@ -40,11 +45,12 @@ from typing import Any
 
 import torch
 
-from gift_compile.launch import free_port
-
-DEFAULT_MODULE = "gift_compile.titan_integration.configs"
+DEFAULT_MODULE = "gift_compile.titan_integration.job_configs"
+ALLOWED_MODULES = (DEFAULT_MODULE,)
 DEFAULT_CONFIG = "llama3_debug"
-LAUNCH_KEYS = {"nproc": int, "config": str, "module": str, "master_port": int}
+LAUNCH_KEYS = {"nproc": int, "config": str, "module": str, "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int}
+LAUNCH_DEFAULTS = {"nproc": 1, "config": DEFAULT_CONFIG, "module": DEFAULT_MODULE, "nnodes": 1, "node_rank": 0,
+                   "master_addr": "127.0.0.1", "master_port": 0}
 
 
 class JobError(ValueError):
@@ -124,25 +130,29 @@ def launch_settings(document: dict) -> dict[str, Any]:
     unknown = sorted(set(launch) - set(LAUNCH_KEYS))
     if unknown:
         raise JobError(f"unknown [launch] key(s) {unknown}; valid keys: {sorted(LAUNCH_KEYS)}")
-    settings = {"nproc": 1, "config": DEFAULT_CONFIG, "module": DEFAULT_MODULE, "master_port": 0} | launch
+    settings = LAUNCH_DEFAULTS | launch
     for key, kind in LAUNCH_KEYS.items():
         if not isinstance(settings[key], kind) or isinstance(settings[key], bool):
             raise JobError(f"[launch] {key} = {settings[key]!r} is invalid; it must be a {kind.__name__}")
-    if settings["nproc"] < 1:
-        raise JobError(f"[launch] nproc = {settings['nproc']} is invalid; it must be >= 1")
+    for key in ("nproc", "nnodes"):
+        if settings[key] < 1:
+            raise JobError(f"[launch] {key} = {settings[key]} is invalid; it must be >= 1")
+    if not 0 <= settings["node_rank"] < settings["nnodes"]:
+        raise JobError(f"[launch] node_rank = {settings['node_rank']} is invalid; it must be in [0, nnodes = {settings['nnodes']})")
+    if not 0 <= settings["master_port"] < 65536:
+        raise JobError(f"[launch] master_port = {settings['master_port']} is invalid; it must be a TCP port (0: pick a free one)")
+    if settings["nnodes"] > 1 and settings["master_port"] == 0:
+        raise JobError("[launch] master_port is needed with nnodes > 1: every node must reach the same rendezvous port")
+    if settings["module"] not in ALLOWED_MODULES:
+        raise JobError(f"[launch] module = {settings['module']!r} is not allowed; job files may only name {list(ALLOWED_MODULES)}")
     return settings
 
 
 def base_config(module: str, name: str):
-    try:
-        registry = importlib.import_module(module)
-    except ImportError as e:
-        raise JobError(f"[launch] module = {module!r} cannot be imported: {e}") from None
-    fn = getattr(registry, name, None)
-    if not callable(fn):
-        public = [n for n in getattr(registry, "__all__", dir(registry)) if not n.startswith("_")]
-        raise JobError(f"[launch] config = {name!r} is not a config of {module}; available: {public}")
-    return fn()
+    registry = importlib.import_module(module)
+    if name not in registry.CONFIGS:
+        raise JobError(f"[launch] config = {name!r} is not a config of {module}; available: {list(registry.CONFIGS)}")
+    return getattr(registry, name)()
 
 
 def check_section(obj: Any, values: dict, path: str) -> None:
@@ -228,10 +238,14 @@ def parse_with_torchtitan(args: list[str]):
 
 
 def torchrun_command(settings: dict, args: list[str]) -> list[str]:
-    port = settings["master_port"] or free_port()
+    """This node's torchrun command (``--standalone`` for one node on a free port)."""
+    if settings["nnodes"] == 1 and settings["master_port"] == 0:
+        rendezvous = ["--standalone"]
+    else:
+        rendezvous = [f"--nnodes={settings['nnodes']}", f"--node_rank={settings['node_rank']}",
+                      f"--master_addr={settings['master_addr']}", f"--master_port={settings['master_port']}"]
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={settings['nproc']}", "--master_addr=127.0.0.1", f"--master_port={port}",
+        sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={settings['nproc']}",
         "-m", "gift_compile.titan_integration.entry", *args,
     ]
 
@@ -242,13 +256,17 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Any --section.field value flag overrides the job file.",
     )
     parser.add_argument("job", nargs="?", help="TOML job file (torchtitan sections, [gift], [launch])")
-    parser.add_argument("--nproc", type=int, help="ranks to launch (overrides [launch] nproc)")
-    parser.add_argument("--dry-run", action="store_true", help="check the job and print the torchrun command; do not run")
+    parser.add_argument("--nproc", type=int, help="ranks on this node (overrides [launch] nproc)")
+    parser.add_argument("--nnodes", type=int, help="nodes of the job (overrides [launch] nnodes)")
+    parser.add_argument("--node-rank", type=int, help="this node's index, 0..nnodes-1 (overrides [launch] node_rank)")
+    parser.add_argument("--master-addr", help="address of node 0 (overrides [launch] master_addr)")
+    parser.add_argument("--master-port", type=int, help="rendezvous port on node 0 (overrides [launch] master_port)")
+    parser.add_argument("--dry-run", action="store_true", help="check the job and print this node's torchrun command; do not run")
     ns, rest = parser.parse_known_args(argv)
     try:
         document = load_job(ns.job, rest)
-        if ns.nproc is not None:
-            document = merge(document, {"launch": {"nproc": ns.nproc}})
+        flags = {"nproc": ns.nproc, "nnodes": ns.nnodes, "node_rank": ns.node_rank, "master_addr": ns.master_addr, "master_port": ns.master_port}
+        document = merge(document, {"launch": {k: v for k, v in flags.items() if v is not None}})
         settings, _, document = check_job(document)
         args = titan_args(document, settings)
         parse_with_torchtitan(args)

@@ -33,12 +33,11 @@ from gift_compile.titan_integration import autoselect
 from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState
 from gift_compile.titan_integration.config import GiftSection, to_gift_config
 from gift_compile.titan_integration.graph_pass import (
-    PIPELINE_NAME, PassContext, disable_incompatible_passes, get_pass_context, set_pass_context,
+    NAMESPACE, PIPELINE_NAME, PassContext, disable_incompatible_passes, get_pass_context, set_pass_context,
 )
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "titan"
 METRICS_FILE = "gift_metrics.jsonl"
 
 

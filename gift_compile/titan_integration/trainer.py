@@ -8,14 +8,11 @@
   outside every graph (``set_custom_reduce_scatter``); GIFT needs each Linear layer's input
   activations for its factors and its own per-layer state, which live in the traced graph.
 
-Both write ``gift_metrics.jsonl`` (loss, bytes, memory per logged step) to the dump folder;
-the graph trainer also writes the op counts of the graph it runs to
-``gift_graph_ops.json`` after the first step (rank 0), so a test can compare graphs.
+Both write ``gift_metrics.jsonl`` (loss, bytes, memory per logged step) to the dump folder.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,10 +21,8 @@ from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 from torchtitan.trainer import Trainer
 
 from gift_compile.titan_integration.config import GiftSection
-from gift_compile.titan_integration.graph_pass import op_counts, register_pipeline
+from gift_compile.titan_integration.graph_pass import register_pipeline
 from gift_compile.titan_integration.session import GiftSession, record_metrics
-
-GRAPH_OPS_FILE = "gift_graph_ops.json"
 
 register_pipeline()
 
@@ -35,7 +30,7 @@ STANDARD_TRAINER_ERROR = (
     "[gift] enabled = true is not supported on torchtitan's standard trainer (FSDP2 fully_shard + "
     "per-block compile): its gradient reduce-scatter runs on one flat buffer per block outside every "
     "traced graph, where GIFT cannot see the layers' input activations. Use the graph_trainer route: "
-    "[launch] config = \"llama3_debug\" (or any config of gift_compile.titan_integration.configs built on "
+    "[launch] config = \"llama3_debug\" (or any config of gift_compile.titan_integration.job_configs built on "
     "GiftGraphTrainer) with [compile] pass_pipeline = \"gift\"."
 )
 
@@ -71,17 +66,11 @@ class GiftGraphTrainer(GraphTrainer):
         self.gift_session = GiftSession(self, config.gift) if config.gift.enabled else None
         if self.gift_session is None:
             _wrap_loss_recording(self)
-        self._ops_written = False
 
     def train_step(self, data_iterator):
         if self.gift_session is not None:
             self.gift_session.before_step(self.step)
         super().train_step(data_iterator)
-        if not self._ops_written and self._traced_step is not None:
-            self._ops_written = True
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                Path(self.config.dump_folder).mkdir(parents=True, exist_ok=True)
-                (Path(self.config.dump_folder) / GRAPH_OPS_FILE).write_text(json.dumps(op_counts(self._traced_step.gm), indent=1))
 
     def close(self) -> None:
         if self.gift_session is not None:
@@ -105,4 +94,4 @@ class GiftTrainer(Trainer):
         _wrap_loss_recording(self)
 
 
-__all__ = ["GRAPH_OPS_FILE", "GiftGraphTrainer", "GiftTrainer", "STANDARD_TRAINER_ERROR"]
+__all__ = ["GiftGraphTrainer", "GiftTrainer", "STANDARD_TRAINER_ERROR"]

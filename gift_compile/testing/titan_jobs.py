@@ -2,13 +2,14 @@
 
 :func:`run_job` launches ``gift-titan`` in a subprocess on a job file plus overrides, with its
 own dump folder, and returns a :class:`JobResult`: the exit code, the log, and the records of
-``gift_metrics.jsonl`` / ``gift_counters_rank*.json`` / ``gift_graph_ops.json``.
+``gift_metrics.jsonl`` / ``gift_counters_rank*.json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from gift_compile.titan_integration.session import METRICS_FILE
-from gift_compile.titan_integration.trainer import GRAPH_OPS_FILE
 
 
 @dataclass
@@ -41,8 +41,9 @@ class JobResult:
     def counters(self, rank: int = 0) -> dict[str, Any]:
         return json.loads((self.dump_folder / f"gift_counters_rank{rank}.json").read_text())
 
-    def graph_ops(self) -> dict[str, int]:
-        return json.loads((self.dump_folder / GRAPH_OPS_FILE).read_text())
+    def applied_passes(self) -> list[str]:
+        """The graph passes graph_trainer logged as applied (its numbered list), in order."""
+        return re.findall(r"\b\d+\. (\w+_pass)\b", self.log)
 
     def check(self) -> JobResult:
         if self.returncode != 0:

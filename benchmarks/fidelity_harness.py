@@ -1,4 +1,7 @@
-"""One-step fidelity of GIFT's low-precision round trip, per whitening method.
+"""The fidelity benchmark's harness: one-step round trips of GIFT's codec, per whitening method.
+
+Benchmark code, not library code: the ablations here (output side, both sides, diagonal A)
+exist only to measure them (benchmarks/fidelity.py; tests/test_fidelity.py checks the harness).
 
 A method's round trip for a weight gradient ``G`` is::
 
@@ -55,15 +58,16 @@ class Method:
     """Low-rank A (top eigenpairs + isotropic rest); ``None`` = full."""
     diagonal: bool = False
     """Use ``diag(A)`` only (the paper's ablation)."""
-    damping: float = 1e-3
-    """``A + damping * mean_eigenvalue * I`` before factorizing (``GiftConfig.damping``)."""
+    damping: float
+    """``A + damping * mean_eigenvalue * I`` before factorizing (as ``GiftConfig.damping``); no
+    default here: each measurement states the damping it uses."""
 
     @property
     def sides(self) -> tuple[str, ...]:
         return {"none": (), "input": ("input",), "output": ("output",), "both": ("input", "output")}[self.side]
 
 
-EUCLIDEAN = Method(name="euclidean", side="none")
+EUCLIDEAN = Method(name="euclidean", side="none", damping=0.0)
 
 
 def build_transform(

@@ -1,4 +1,4 @@
-"""torchtitan config registry for gift-titan (``--module gift_compile.titan_integration.configs``).
+"""torchtitan config registry for gift-titan (``--module gift_compile.titan_integration.job_configs``).
 
 Each public function returns a trainer Config; ``[launch] config = "<name>"`` picks one and the
 TOML sections / ``--section.field`` flags override its fields.
@@ -27,7 +27,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.trainer import Trainer
 
 from gift_compile.titan_integration.cpu_support import cpu_disabled_graph_passes
-from gift_compile.titan_integration.data import default_tokenizer_dir, register_datasets
+from gift_compile.titan_integration.datasets import default_tokenizer_dir, register_datasets
 from gift_compile.titan_integration.graph_pass import PIPELINE_NAME
 from gift_compile.titan_integration.trainer import GiftGraphTrainer, GiftTrainer
 
