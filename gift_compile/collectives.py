@@ -1,6 +1,6 @@
 """Gradient reduce-scatter and all-reduce in FP8, bf16 or fp32 over a process group.
 
-FP8 never meets arithmetic on the wire (DESIGN.md decision 1)::
+FP8 never meets arithmetic on the wire (docs/design.md §1)::
 
     x (rows, ...)                      each rank
       pad rows to world * c, view (world, c', cols)       c = ceil(rows / world)

@@ -4,7 +4,7 @@ Pure functions of tensors (factors and residuals are arguments, not state), so t
 reference calls them directly and the FX pass traces them with ``make_fx`` and splices the
 result into the backward graph: one piece of code for both, Inductor fuses the traced ops.
 
-The FP8 path for a weight gradient ``G`` (Algorithm 1; ``T = I`` on the Euclidean path)::
+The FP8 path for a weight gradient ``G`` (Algorithm 1, docs/design.md §1, §7; ``T = I`` on the Euclidean path)::
 
     U  = (G + R) T          whiten; R is this rank's error-feedback residual, kept in G's own
                             coordinates, so a new T never needs a residual "move"

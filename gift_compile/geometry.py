@@ -16,7 +16,7 @@ Storage layouts (``Whitening.layout``):
 Where the factors come from:
 
 * ``factorize(A)``: from a second moment (the ``periodic`` refresh, and benchmarks).
-* ``input_sketch`` + ``whitening_from_sketch``: from *this step's* inputs, by one step of a
+* ``input_sketch`` + ``whitening_from_sketch``: from *this step's* inputs (docs/design.md §6), by one step of a
   warm-started subspace iteration. Each rank sends ``X_r^T (X_r Q)`` (``d x r``) plus its
   ``sum x^2`` and token count in one all-reduce; every rank then runs Rayleigh-Ritz on the
   previous basis ``Q`` with the summed sketch (``Q^T A Q = Q^T W / n``) for this step's

@@ -2,7 +2,7 @@
 
 All of it lives in buffers of an ``nn.Module``, so ``state_dict()`` checkpoints it and
 ``load_state_dict()`` restores it exactly. The compiled path reaches it at run time through
-opaque custom ops keyed by the layer's FQN (``ops.py``), never as graph constants: factors
+opaque custom ops keyed by the layer's FQN (``ops.py``, docs/design.md §5), never as graph constants: factors
 change every step, and Inductor's FX graph cache replays a graph without re-running the pass.
 
 What a layer keeps depends on ``GiftConfig`` and on whether the layer is whitened:
