@@ -76,7 +76,7 @@ class Codec:
 
 def codecs() -> list[Codec]:
     default = GiftConfig(layers=())
-    previous = default.replace(factor_source="periodic", refresh_interval=10, ema_decay=0.5, damping=0.1)
+    previous = default.replace(factor_source="periodic", refresh_interval=10, ema_decay=0.5, damping=0.1)  # before issue 10
     paper = default.replace(factor_source="periodic", factorization="cholesky", refresh_interval=50, damping=1e-3, fallback=False)
     euclid_ef = default.replace(euclidean_error_feedback=True)
     out = [
@@ -84,7 +84,7 @@ def codecs() -> list[Codec]:
         Codec("Euclidean FP8 + EF", euclid_ef, whitened=False),
         Codec("GIFT defaults", default),
         Codec("GIFT defaults, no EF", default.replace(error_feedback=False)),
-        Codec("GIFT full rank, no EF", default.replace(low_rank=None, error_feedback=False)),
+        Codec("GIFT rank 64, no EF", default.replace(low_rank=64, error_feedback=False)),
         Codec("GIFT periodic K=10 (previous defaults)", previous),
         Codec("GIFT paper (Cholesky, K=50, damping 1e-3)", paper),
     ]

@@ -64,10 +64,11 @@ class GiftConfig:
     """Rank of the approximation of ``A`` (top eigenpairs + isotropic rest); ``None`` or a value
     >= the layer's ``d_in`` uses the full matrix. (TOML: ``rank`` is a deprecated alias.)"""
 
-    damping: float = 0.3
+    damping: float = 1.0
     """Added to ``A`` as ``damping * mean_eigenvalue(A) * I`` before factorizing. It bounds how much
-    the transform can amplify directions with little input variance (whose estimate is noisy),
-    and keeps dead inputs finite."""
+    the transform can amplify directions with little input variance (whose estimate from one
+    step's tokens is noisy) and keeps dead inputs finite; 1.0 measured best in the training
+    loop (benchmarks/fidelity_loop.py), also for fresh factors."""
 
     stats_max_tokens: int | None = 8192
     """Tokens per rank used for the statistics of ``A`` (evenly strided subsample); ``None``: all."""

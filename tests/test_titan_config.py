@@ -70,7 +70,6 @@ def test_section_help_comes_from_the_gift_config_docstrings():
         ("[trainingg]\nsteps = 3\n", "unknown key 'trainingg'"),
         ("[launch]\nnprocs = 2\n", "unknown [launch] key(s) ['nprocs']"),
         ("[gift]\nfp8_format = \"e4m4\"\n", "GiftConfig.fp8_format='e4m4' is invalid"),
-        ("[launch]\nconfig = \"llama3_debug_standard\"\n[gift]\nenabled = true\n", "graph_trainer route"),
         ("training = 3\n", "'training' is a section"),
     ],
 )
@@ -129,3 +128,35 @@ def test_shims_are_not_applied_on_import():
     assert "fsdp_force_sum" in cpu_support.needed_shims()
     assert dataclasses.is_dataclass(GiftSection)
     del dist
+
+
+def test_one_node_runs_standalone_and_several_nodes_share_a_rendezvous(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text("[launch]\nnproc = 2\n[gift]\nenabled = true\n")
+    assert launcher.main([str(job), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--standalone" in out and "--nproc_per_node=2" in out
+    argv = [str(job), "--dry-run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3", "--master-port", "29512"]
+    assert launcher.main(argv) == 0
+    out = capsys.readouterr().out
+    for flag in ("--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29512", "--nproc_per_node=2"):
+        assert flag in out
+    assert "--standalone" not in out
+
+
+@pytest.mark.parametrize(
+    "launch, message",
+    [
+        ("nnodes = 2\nnode_rank = 0\n", "master_port is needed with nnodes > 1"),
+        ("nnodes = 2\nnode_rank = 2\nmaster_port = 29500\n", "node_rank = 2 is invalid"),
+        ("master_port = 70000\n", "master_port = 70000 is invalid"),
+        ('module = "os"\n', "module = 'os' is not allowed"),
+        ('config = "run_everything"\n', "config = 'run_everything' is not a config of"),
+        ('config = "CONFIGS"\n', "config = 'CONFIGS' is not a config of"),
+    ],
+)
+def test_bad_launch_settings_are_refused_before_anything_runs(tmp_path, capsys, launch, message):
+    job = tmp_path / "job.toml"
+    job.write_text("[launch]\n" + launch)
+    assert launcher.main([str(job), "--dry-run"]) == 2
+    assert message in capsys.readouterr().err

@@ -8,54 +8,23 @@ step-10 checkpoint. About 1.5 minutes on 2 cores.
 from __future__ import annotations
 
 import re
-import shutil
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torchtitan")
 
-from gift_compile.testing.titan_jobs import run_job  # noqa: E402
+from gift_compile.testing.titan_jobs import resume, run_job, write_job  # noqa: E402
 
 STEPS = 20
-
-
-def write_job(path: Path) -> Path:
-    path.write_text(f"""
-[launch]
-nproc = 2
-config = "llama3_debug"
-
-[training]
-steps = {STEPS}
-local_batch_size = 2
-seq_len = 256
-
-[checkpoint]
-enable = true
-interval = 10
-last_save_model_only = false
-
-[debug]
-seed = 0
-
-[gift]
-enabled = true
-layers = ["w2"]
-meter_interval = 5
-""")
-    return path
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("titan")
-    job = write_job(tmp / "job.toml")
+    job = write_job(tmp / "job.toml", "llama3_debug", steps=STEPS, checkpoint_every=10,
+                    gift={"enabled": True, "layers": ["w2"], "meter_interval": 5})
     first = run_job(job, tmp / "first").check()
-    resumed_folder = tmp / "resumed"
-    shutil.copytree(first.dump_folder / "checkpoint" / "step-10", resumed_folder / "checkpoint" / "step-10")
-    resumed = run_job(job, resumed_folder, "--checkpoint.load_step", "10").check()
-    return first, resumed
+    return first, resume(first, job, tmp / "resumed", 10)
 
 
 def test_loss_decreases(runs):

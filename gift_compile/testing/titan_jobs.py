@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +52,23 @@ class JobResult:
         return self
 
 
+def write_job(path: Path, config: str, *, steps: int, gift: dict[str, Any], nproc: int = 2, checkpoint_every: int | None = None) -> Path:
+    """A job file for ``config`` on the bundled corpus: ``steps`` steps, seed 0, metrics every step."""
+    lines = ["[launch]", f"nproc = {nproc}", f'config = "{config}"', "", "[training]", f"steps = {steps}", "",
+             "[metrics]", "log_freq = 1", "", "[debug]", "seed = 0", ""]
+    if checkpoint_every:
+        lines += ["[checkpoint]", "enable = true", f"interval = {checkpoint_every}", "last_save_model_only = false", ""]
+    lines += ["[gift]", *(f"{key} = {json.dumps(value)}" for key, value in gift.items()), ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def resume(first: JobResult, job: Path, folder: Path, step: int, *overrides: str) -> JobResult:
+    """Run ``job`` again in ``folder`` from ``first``'s step-``step`` checkpoint."""
+    shutil.copytree(first.dump_folder / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
+    return run_job(job, folder, "--checkpoint.load_step", str(step), *overrides).check()
+
+
 def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, timeout: float = 900, cwd: str | Path | None = None) -> JobResult:
     dump_folder = Path(dump_folder).resolve()
     if (dump_folder / METRICS_FILE).exists():
@@ -62,11 +80,15 @@ def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, ti
     start = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     wall = time.perf_counter() - start
-    records = []
+    return JobResult(proc.returncode, proc.stdout + proc.stderr, dump_folder, wall, read_records(dump_folder))
+
+
+def read_records(dump_folder: Path) -> list[dict[str, Any]]:
+    """The per-step records a job wrote to ``<dump_folder>/gift_metrics.jsonl`` (rank 0)."""
     metrics = dump_folder / METRICS_FILE
-    if metrics.exists():
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return JobResult(proc.returncode, proc.stdout + proc.stderr, dump_folder, wall, records)
+    if not metrics.exists():
+        return []
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["JobResult", "run_job"]
+__all__ = ["JobResult", "read_records", "resume", "run_job", "write_job"]

@@ -6,12 +6,16 @@ TOML sections / ``--section.field`` flags override its fields.
 - ``llama3_debug``: Llama-3 debug model (6.2M parameters, 6 blocks, vocab 2,048) on
   graph_trainer (SimpleFSDP, joint-graph trace, ``gift`` pass pipeline), SDPA attention, the
   bundled corpus and tokenizer. Runs on CPU/gloo and on GPUs.
-- ``llama3_debug_standard``: the same model on the standard trainer (FSDP2, no GIFT).
+- ``llama3_debug_standard``: the same model on torchtitan's standard trainer (FSDP2
+  ``fully_shard`` per block, torchtitan's own Llama-3 definition with SDPA attention); GIFT
+  reduce-scatters each block's gradients (``gift_compile.fsdp``). Per-block compile is off
+  here (``[compile] enable = true`` turns it on).
 - ``llama3_8b``: Llama-3.1 8B on graph_trainer (FlexAttention, C4, the model's HF tokenizer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import fields
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -38,8 +42,18 @@ def _with_gift(config_cls, base):
     return config_cls(**{f.name: getattr(base, f.name) for f in fields(base)})
 
 
-def _debug_base() -> Trainer.Config:
-    spec = graph_llama3.model_registry("debugmodel", attn_backend="sdpa")
+def _standard_debug_spec():
+    """torchtitan's standard Llama-3 debug model (its own parallelize: fully_shard per block) with
+    SDPA attention: its registry offers FlexAttention only, whose backward does not run on CPU."""
+    from torchtitan.experiments.graph_trainer.common_utils import build_decoder_config_for_backend
+    from torchtitan.models import llama3
+
+    spec = llama3.model_registry("debugmodel", attn_backend="flex")
+    return dataclasses.replace(spec, model=build_decoder_config_for_backend(llama3.llama3_configs["debugmodel"], "sdpa"))
+
+
+def _debug_base(spec=None) -> Trainer.Config:
+    spec = spec or graph_llama3.model_registry("debugmodel", attn_backend="sdpa")
     return Trainer.Config(
         model_spec=spec,
         hf_assets_path=str(default_tokenizer_dir()),
@@ -75,8 +89,8 @@ def llama3_debug() -> GiftGraphTrainer.Config:
 
 
 def llama3_debug_standard() -> GiftTrainer.Config:
-    """The same job on torchtitan's standard trainer (FSDP2 fully_shard); GIFT cannot be enabled."""
-    return _with_gift(GiftTrainer.Config, _debug_base())
+    """The same job on torchtitan's standard trainer (FSDP2 fully_shard per block)."""
+    return _with_gift(GiftTrainer.Config, _debug_base(_standard_debug_spec()))
 
 
 def llama3_8b() -> GiftGraphTrainer.Config:

@@ -187,14 +187,10 @@ def check_job(document: dict) -> tuple[dict[str, Any], Any, dict]:
         if not hasattr(config, "gift"):
             raise JobError(f"config {settings['config']!r} has no gift section; use a config of {DEFAULT_MODULE}")
         try:
-            section = section_from_dict(gift)
+            section_from_dict(gift)
             document = {**document, "gift": normalize_table(gift)}
         except (ValueError, TypeError) as e:
             raise JobError(str(e)) from None
-        if section.enabled and not hasattr(config.compile, "pass_pipeline"):
-            from gift_compile.titan_integration.trainer import STANDARD_TRAINER_ERROR
-
-            raise JobError(STANDARD_TRAINER_ERROR)
     check_section(config, body, "")
     return settings, config, document
 

@@ -27,13 +27,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gift_compile import fsdp
+from gift_compile.collectives import WireFormat, bytes_sent
+from gift_compile.config import GiftConfig
 from gift_compile.runtime import GiftRuntime, register_runtime
 from gift_compile.selection import select_layers
 from gift_compile.titan_integration import autoselect
 from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState
 from gift_compile.titan_integration.config import GiftSection, to_gift_config
 from gift_compile.titan_integration.graph_pass import (
-    NAMESPACE, PIPELINE_NAME, PassContext, disable_incompatible_passes, get_pass_context, set_pass_context,
+    NAMESPACE, PIPELINE_NAME, GraphAccounting, PassContext, disable_incompatible_passes, get_pass_context, set_pass_context,
 )
 
 log = logging.getLogger(__name__)
@@ -57,11 +60,11 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class GiftSession:
-    def __init__(self, trainer, section: GiftSection) -> None:
+class GraphRoute:
+    """graph_trainer: the ``gift`` pass pipeline rewrites the joint graph's collectives."""
+
+    def __init__(self, trainer) -> None:
         self.trainer = trainer
-        self.section = section
-        self.config = to_gift_config(section)
         compile_config = trainer.config.compile
         if getattr(compile_config, "pass_pipeline", None) != PIPELINE_NAME or not compile_config.enable:
             raise ValueError(
@@ -72,6 +75,51 @@ class GiftSession:
         disabled = disable_incompatible_passes(compile_config)
         if disabled:
             log.info("GIFT: graph passes %s disabled (a CUDA graph would skip the gift:: ops' per-step Python)", disabled)
+
+    def select(self, config: GiftConfig, chosen: list[str], embedding_dtype: str, *, retrace: bool) -> None:
+        set_pass_context(PassContext(NAMESPACE, config, frozenset(chosen), embedding_dtype))
+        if retrace:
+            self.trainer._traced_step = None  # graph_trainer retraces and reruns the pass pipeline
+
+    def accounting(self) -> GraphAccounting:
+        return get_pass_context(NAMESPACE).accounting
+
+
+class Fsdp2Route:
+    """The standard trainer: FSDP2's reduce-scatter of each block is ``fsdp.GiftReduceScatter``."""
+
+    def __init__(self, trainer, runtime: GiftRuntime, embedding_dtype: str) -> None:
+        self.model = trainer.model_parts[0]
+        self.route = fsdp.install(self.model, runtime, NAMESPACE, embedding_dtype=embedding_dtype)
+        self._accounting = self._count()
+
+    def select(self, config: GiftConfig, chosen: list[str], embedding_dtype: str, *, retrace: bool) -> None:
+        self.route.euclidean_dtype = config.euclidean_dtype
+        self.route.select(self.model, chosen)
+
+    def _count(self) -> GraphAccounting:
+        """What each parameter's reduce-scatter would send in fp32, and what stays dense (1-D)."""
+        accounting = GraphAccounting(collectives=len(self.route.segments))
+        fp32 = WireFormat("fp32")
+        for segment in self.route.segments:
+            nbytes = bytes_sent(segment.shape, segment.world, fp32, "reduce_scatter")
+            accounting.fp32_bytes += nbytes
+            if len(segment.shape) == 1:
+                accounting.untouched_bytes += nbytes  # torchtitan reduces in fp32
+            else:
+                accounting.numel[segment.layer or segment.module] = int(torch.Size(segment.shape).numel())
+                accounting.linear_candidates += [segment.layer] if segment.layer else []
+        return accounting
+
+    def accounting(self) -> GraphAccounting:
+        return self._accounting
+
+
+class GiftSession:
+    def __init__(self, trainer, section: GiftSection, route: str = "graph") -> None:
+        self.trainer = trainer
+        self.section = section
+        self.config = to_gift_config(section)
         self.runtime: GiftRuntime = register_runtime(NAMESPACE, self.config)
         self.dump_folder = Path(trainer.config.dump_folder)
         self.shapes = linear_weight_shapes(trainer.model_parts[0])
@@ -79,14 +127,14 @@ class GiftSession:
         self.chosen: list[str] = [] if self.auto else select_layers(list(self.shapes), self.config.layers)
         self.profile_table: str | None = None
         self.switched_at: int | None = None
+        self.route = GraphRoute(trainer) if route == "graph" else Fsdp2Route(trainer, self.runtime, section.embedding_dtype)
         self._create_layer_states(self.chosen)
-        set_pass_context(self._context())
+        self.route.select(self._wire_config(), self.chosen, section.embedding_dtype, retrace=False)
         if getattr(trainer.checkpointer, "enable", False):
             trainer.checkpointer.states[KEY] = GiftCheckpointState(self.runtime)
         self._wrap_metrics(trainer.metrics_processor)
-        self._last_log = time.perf_counter()
         log.info(
-            "GIFT enabled: %s; layers %s", self.config,
+            "GIFT enabled (%s route): %s; layers %s", route, self.config,
             f"auto (profiling {self.config.auto_profile_steps} steps)" if self.auto else self.chosen,
         )
 
@@ -95,11 +143,10 @@ class GiftSession:
     def profiling(self) -> bool:
         return self.auto and self.switched_at is None
 
-    def _context(self) -> PassContext:
-        config = self.config
+    def _wire_config(self) -> GiftConfig:
         if self.profiling:  # the paper profiles with Euclidean FP8, whatever euclidean_dtype says
-            config = config.replace(euclidean_dtype="fp8")
-        return PassContext(NAMESPACE, config, frozenset(self.chosen), self.section.embedding_dtype)
+            return self.config.replace(euclidean_dtype="fp8")
+        return self.config
 
     def _create_layer_states(self, fqns: list[str]) -> None:
         for fqn in fqns:
@@ -112,7 +159,7 @@ class GiftSession:
             self._switch_to_gift(step)
 
     def _switch_to_gift(self, step: int) -> None:
-        numel = get_pass_context(NAMESPACE).accounting.numel
+        numel = self.route.accounting().numel
         linear = {f: n for f, n in numel.items() if f in self.shapes}
         rates = autoselect.global_hit_counts(self.runtime.counters, linear, device=self.trainer.device)
         self.chosen = autoselect.choose_layers(rates, self.config.auto_max_layers)
@@ -129,12 +176,11 @@ class GiftSession:
             log.warning("GIFT auto: no Linear layer had an FP8 boundary hit; every layer stays Euclidean FP8")
         self._create_layer_states(self.chosen)
         self.runtime.counters.clear()
-        set_pass_context(self._context())
-        self.trainer._traced_step = None  # graph_trainer retraces and reruns the pass pipeline
+        self.route.select(self._wire_config(), self.chosen, self.section.embedding_dtype, retrace=True)
 
     # -- metrics ---------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
-        accounting = get_pass_context(NAMESPACE).accounting
+        accounting = self.route.accounting()
         by_path = self.runtime.bytes_per_step()
         stats = by_path.pop("stats", 0.0)
         total = sum(by_path.values()) + accounting.untouched_bytes
@@ -162,14 +208,15 @@ class GiftSession:
         def log_with_gift(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
             gift = session.metrics()
             original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **gift})
-            logging.getLogger("torchtitan").info(
-                "[gift] step %d: gradient bytes/step %.0f (%.3fx fp32) %s, statistics %.0f; gift layers %d "
-                "(error vs FP8: mean %s, max %s; on fallback %d)",
-                step, gift["gift/bytes_per_step"], gift["gift/bytes_ratio_vs_fp32"] or float("nan"),
-                {k.rsplit("/", 1)[1]: round(v) for k, v in gift.items() if k.startswith("gift/bytes_per_step/")},
-                gift["gift/stats_bytes_per_step"], gift["gift/layers"], _fmt(gift["gift/error_vs_fp8"]),
-                _fmt(gift["gift/error_vs_fp8_max"]), gift["gift/fallback_layers"],
-            )
+            if rank() == 0:
+                logging.getLogger("torchtitan").info(
+                    "[gift] step %d: gradient bytes/step %.0f (%.3fx fp32) %s, statistics %.0f; gift layers %d "
+                    "(error vs FP8: mean %s, max %s; on fallback %d)",
+                    step, gift["gift/bytes_per_step"], gift["gift/bytes_ratio_vs_fp32"] or float("nan"),
+                    {k.rsplit("/", 1)[1]: round(v) for k, v in gift.items() if k.startswith("gift/bytes_per_step/")},
+                    gift["gift/stats_bytes_per_step"], gift["gift/layers"], _fmt(gift["gift/error_vs_fp8"]),
+                    _fmt(gift["gift/error_vs_fp8_max"]), gift["gift/fallback_layers"],
+                )
             session.record(step, loss=global_avg_loss, grad_norm=grad_norm, **gift)
 
         processor.log = log_with_gift

@@ -1,12 +1,10 @@
 """torchtitan trainers with a ``gift`` config section.
 
-- :class:`GiftGraphTrainer` (graph_trainer, SimpleFSDP, ``make_fx`` joint graph): the supported
-  route. ``[gift] enabled = true`` runs the ``gift`` pass pipeline on the joint graph.
+- :class:`GiftGraphTrainer` (graph_trainer, SimpleFSDP, ``make_fx`` joint graph):
+  ``[gift] enabled = true`` runs the ``gift`` pass pipeline on the joint graph.
 - :class:`GiftTrainer` (the standard trainer: FSDP2 ``fully_shard`` + per-block compile):
-  accepts the section so job files stay uniform, but ``enabled = true`` stops with an error that
-  names the graph_trainer route. FSDP2 reduce-scatters one flat buffer per block from a hook
-  outside every graph (``set_custom_reduce_scatter``); GIFT needs each Linear layer's input
-  activations for its factors and its own per-layer state, which live in the traced graph.
+  ``[gift] enabled = true`` gives every FSDP parameter group a GIFT reduce-scatter and every
+  selected Linear layer a forward statistics hook (``gift_compile.fsdp``).
 
 Both write ``gift_metrics.jsonl`` (loss, bytes, memory per logged step) to the dump folder.
 """
@@ -25,14 +23,6 @@ from gift_compile.titan_integration.graph_pass import register_pipeline
 from gift_compile.titan_integration.session import GiftSession, record_metrics
 
 register_pipeline()
-
-STANDARD_TRAINER_ERROR = (
-    "[gift] enabled = true is not supported on torchtitan's standard trainer (FSDP2 fully_shard + "
-    "per-block compile): its gradient reduce-scatter runs on one flat buffer per block outside every "
-    "traced graph, where GIFT cannot see the layers' input activations. Use the graph_trainer route: "
-    "[launch] config = \"llama3_debug\" (or any config of gift_compile.titan_integration.job_configs built on "
-    "GiftGraphTrainer) with [compile] pass_pipeline = \"gift\"."
-)
 
 
 def _wrap_loss_recording(trainer) -> None:
@@ -55,17 +45,11 @@ def _wrap_loss_recording(trainer) -> None:
         processor.log_validation = log_validation
 
 
-class GiftGraphTrainer(GraphTrainer):
-    @dataclass(kw_only=True, slots=True)
-    class Config(GraphTrainer.Config):
-        gift: GiftSection = field(default_factory=GiftSection)
-        """GIFT gradient communication (``--gift.<field>``, TOML ``[gift]``)."""
+class _GiftSteps:
+    """What both trainers add around torchtitan's step: the ``layers = "auto"`` switch before a
+    step, the counters at the end."""
 
-    def __init__(self, config: GiftGraphTrainer.Config) -> None:
-        super().__init__(config)
-        self.gift_session = GiftSession(self, config.gift) if config.gift.enabled else None
-        if self.gift_session is None:
-            _wrap_loss_recording(self)
+    gift_session: GiftSession | None
 
     def train_step(self, data_iterator):
         if self.gift_session is not None:
@@ -81,17 +65,30 @@ class GiftGraphTrainer(GraphTrainer):
         super().close()
 
 
-class GiftTrainer(Trainer):
+class GiftGraphTrainer(_GiftSteps, GraphTrainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(GraphTrainer.Config):
+        gift: GiftSection = field(default_factory=GiftSection)
+        """GIFT gradient communication (``--gift.<field>``, TOML ``[gift]``)."""
+
+    def __init__(self, config: GiftGraphTrainer.Config) -> None:
+        super().__init__(config)
+        self.gift_session = GiftSession(self, config.gift, route="graph") if config.gift.enabled else None
+        if self.gift_session is None:
+            _wrap_loss_recording(self)
+
+
+class GiftTrainer(_GiftSteps, Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         gift: GiftSection = field(default_factory=GiftSection)
-        """GIFT gradient communication; enabled = true needs the graph_trainer route."""
+        """GIFT gradient communication (``--gift.<field>``, TOML ``[gift]``)."""
 
     def __init__(self, config: GiftTrainer.Config) -> None:
-        if config.gift.enabled:
-            raise ValueError(STANDARD_TRAINER_ERROR)
         super().__init__(config)
-        _wrap_loss_recording(self)
+        self.gift_session = GiftSession(self, config.gift, route="fsdp2") if config.gift.enabled else None
+        if self.gift_session is None:
+            _wrap_loss_recording(self)
 
 
-__all__ = ["GiftGraphTrainer", "GiftTrainer", "STANDARD_TRAINER_ERROR"]
+__all__ = ["GiftGraphTrainer", "GiftTrainer"]

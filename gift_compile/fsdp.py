@@ -1,0 +1,253 @@
+"""GIFT on FSDP2 (``fully_shard``): a custom reduce-scatter, and statistics from the forward.
+
+FSDP2 reduce-scatters one flat buffer per parameter group from a hook outside every traced
+graph (docs/design.md §4), where no compiler pass reaches. ``FSDPModule.set_custom_reduce_scatter``
+lets us own that collective. Its input is ``world * S`` elements: row ``r`` of
+``input.view(world, S)`` is every parameter's ``r``-th dim-0 chunk (``ceil(d0 / world)`` rows,
+zero-padded), concatenated in the group's parameter order; the output is this rank's ``S``.
+So each parameter's slot, read across the ``world`` rows, is this rank's whole local gradient
+(plus zero rows), and :class:`GiftReduceScatter` reduces it parameter by parameter:
+
+* selected Linear weights: GIFT (``layer_step.reduce_layer``): input-side whitening acts on
+  each row, so it commutes with the dim-0 split (docs/design.md §2);
+* other 2-D weights: Euclidean FP8 (``euclidean_dtype``);
+* 1-D parameters (norms): the reduce dtype, as FSDP would.
+
+The factors need the layer's inputs, which the reduce-scatter never sees. A forward hook on
+each selected ``nn.Linear`` calls ``gift::record_input`` (an opaque custom op: per-block
+``torch.compile(fullgraph=True)`` traces the hook into the block's graph, no graph break, no
+recompilation), which starts the step: ``layer_step.issue_statistics`` sketches the input and
+issues the all-reduce that sums the sketch over the shard group. The reduce-scatter waits for
+it when the gradient arrives. Everything else (state, error feedback, meter, fallback,
+counters, checkpoints) is the same runtime the compiled-graph route uses.
+
+HSDP: FSDP2 follows the reduce-scatter with a replicate-group ``all_reduce`` that torch 2.13
+offers no hook to replace; it stays in the reduce dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from gift_compile.collectives import WireFormat, bytes_sent
+from gift_compile.comm import euclidean_reduce
+from gift_compile.config import GiftConfig
+from gift_compile.layer_step import EagerAccess, LayerPlan, issue_statistics, reduce_layer
+from gift_compile.runtime import GiftRuntime, get_runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter's slot in a group's flat reduce-scatter buffer."""
+
+    name: str
+    """The parameter's FQN (``layers.0.attention.wqkv.weight``)."""
+    layer: str | None
+    """The ``nn.Linear`` FQN when this is a Linear weight, else None."""
+    offset: int
+    """Where the slot starts in each of the ``world`` rows (and in the output)."""
+    shard_rows: int
+    """``ceil(d0 / world)``: the rows each rank owns (padded)."""
+    shape: tuple[int, ...]
+    """The unsharded parameter shape."""
+    world: int
+    """Ranks of the shard group that reduce-scatters it."""
+
+    @property
+    def numel(self) -> int:
+        return self.shard_rows * self.cols
+
+    @property
+    def module(self) -> str:
+        """The FQN of the module holding the parameter (the counters' key, as on the graph route)."""
+        return self.name.rpartition(".")[0] or self.name
+
+    @property
+    def cols(self) -> int:
+        return int(torch.Size(self.shape[1:]).numel())
+
+
+def group_segments(fsdp_params, names: dict[nn.Module, str], world: int) -> list[Segment]:
+    """The slots of an FSDP parameter group, in its buffer order (FQNs from the module tree:
+    FSDP's own ``_param_fqn`` is only set at its lazy init)."""
+    segments, offset = [], 0
+    for param in fsdp_params:
+        info = param._module_info
+        prefix = names[info.module]
+        name = f"{prefix}.{info.param_name}" if prefix else info.param_name
+        layer = prefix if isinstance(info.module, nn.Linear) and info.param_name == "weight" else None
+        shape = tuple(param._orig_size)
+        rows = -(-shape[0] // world)
+        segments.append(Segment(name, layer, offset, rows, shape, world))
+        offset += rows * int(torch.Size(shape[1:]).numel())
+    return segments
+
+
+@dataclass
+class FsdpRoute:
+    """What the FSDP route keeps on its runtime (``GiftRuntime.integration``)."""
+
+    namespace: str
+    selected: frozenset[str] = frozenset()
+    embedding_dtype: str = "fp8"
+    euclidean_dtype: str | None = None
+    """Overrides ``GiftConfig.euclidean_dtype`` (``layers = "auto"`` profiles with FP8)."""
+    plans: dict[str, LayerPlan] = field(default_factory=dict)
+    """Linear layer FQN -> its step's plan (the shard group, the unsharded shape)."""
+    pending: dict[str, tuple] = field(default_factory=dict)
+    """Selected layer FQN -> ``issue_statistics``' result, from its forward until its reduce-scatter."""
+    segments: list[Segment] = field(default_factory=list)
+    """Every parameter slot of every group (bytes accounting)."""
+    hooked: set[str] = field(default_factory=set)
+
+    def select(self, model: nn.Module, layers) -> None:
+        """Whiten ``layers`` from the next step on (each gets its forward statistics hook once)."""
+        layers = frozenset(layers)
+        missing = sorted(layers - set(self.plans))
+        if missing:
+            raise ValueError(f"GIFT layers {missing} are not Linear weights of any fully_shard parameter group; "
+                             f"those are: {sorted(self.plans)}")
+        for fqn in sorted(layers - self.hooked):
+            model.get_submodule(fqn).register_forward_hook(_input_hook(self.namespace, fqn))
+            self.hooked.add(fqn)
+        self.selected = layers
+
+    @classmethod
+    def of(cls, runtime: GiftRuntime) -> FsdpRoute:
+        if not isinstance(runtime.integration, FsdpRoute):
+            raise RuntimeError("this GIFT runtime has no FSDP route: call gift_compile.fsdp.install(model, runtime, ...)")
+        return runtime.integration
+
+
+class GiftReduceScatter(ReduceScatter):
+    """The reduce-scatter of one FSDP parameter group (module docstring)."""
+
+    def __init__(self, segments: list[Segment], namespace: str) -> None:
+        self.segments, self.namespace = segments, namespace
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # FSDP makes the sharded .grad tensors views into the output at absolute offsets: a
+        # fresh tensor each call, never a reused buffer.
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, op, async_op: bool = False):
+        world = dist.get_world_size(group)
+        total = output_tensor.numel()
+        if input_tensor.numel() != world * total or total != sum(s.numel for s in self.segments):
+            raise RuntimeError(
+                f"GIFT reduce-scatter: FSDP handed {input_tensor.numel()} elements for {world} ranks, expected "
+                f"{world} x {sum(s.numel for s in self.segments)} for parameters {[s.name for s in self.segments]} "
+                "(a parameter without a gradient? GIFT needs every parameter of a group to have one)"
+            )
+        kind, factor = normalize_op(op)
+        runtime = get_runtime(self.namespace)
+        rows = input_tensor.view(world, total)
+        for segment in self.segments:
+            local = rows[:, segment.offset : segment.offset + segment.numel].reshape(world * segment.shard_rows, segment.cols)
+            grad = local[: segment.shape[0]]  # this rank's whole gradient: the padding rows are zeros
+            shard = self._reduce(runtime, segment, grad, group, kind)
+            if factor is not None:
+                shard = shard * factor
+            output_tensor[segment.offset : segment.offset + segment.numel].copy_(shard.reshape(-1))
+        return None
+
+    def _reduce(self, runtime: GiftRuntime, segment: Segment, grad: torch.Tensor, group, op: str) -> torch.Tensor:
+        config, route = runtime.config, FsdpRoute.of(runtime)
+        if segment.layer in route.selected:
+            pending = route.pending.pop(segment.layer, None)
+            if pending is None:
+                raise RuntimeError(
+                    f"GIFT: no forward statistics for layer {segment.layer!r} this step: its gift::record_input "
+                    "forward hook did not run (install with gift_compile.fsdp.install)"
+                )
+            plan = dataclasses.replace(route.plans[segment.layer], op=op)
+            return reduce_layer(plan, EagerAccess(runtime), grad, *pending)
+        if len(segment.shape) == 1:
+            wire = WireFormat("bf16" if grad.dtype == torch.bfloat16 else "fp32")
+        else:
+            wire_dtype = (route.euclidean_dtype or config.euclidean_dtype) if segment.layer is not None else route.embedding_dtype
+            wire = WireFormat.euclidean(config.replace(euclidean_dtype=wire_dtype))
+        reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective="reduce_scatter")
+        if len(segment.shape) > 1 and wire.dtype != "fp32":
+            runtime.record_euclidean(segment.layer or segment.module, wire.dtype, reduction.stats, bytes_sent(segment.shape, dist.get_world_size(group), wire, "reduce_scatter"))
+        return reduction.output
+
+
+def normalize_op(op) -> tuple[str, float | None]:
+    """FSDP2's reduce op as ``("sum" | "avg", factor or None)``: ``PREMUL_SUM(f)`` (torchtitan's
+    ``set_gradient_divide_factor``) is a sum times ``f`` (linear, so after the sum is the same)."""
+    kind = getattr(op, "op", op)
+    if kind == dist.ReduceOp.SUM:
+        return "sum", None
+    if kind == dist.ReduceOp.AVG:
+        return "avg", None
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return "sum", float(op.factor) if hasattr(op, "factor") else None
+    raise ValueError(f"GIFT reduce-scatter: FSDP reduce op {op!r} is not supported (SUM, AVG or PREMUL_SUM)")
+
+
+@torch.library.custom_op("gift::record_input", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def record_input(namespace: str, fqn: str, layer_input: torch.Tensor) -> None:
+    """Start a selected layer's step from its forward input (``layer_step.issue_statistics``).
+    A second forward of the same step (activation-checkpoint recompute) changes nothing."""
+    runtime = get_runtime(namespace)
+    route = FsdpRoute.of(runtime)
+    if fqn in route.selected and fqn not in route.pending:
+        route.pending[fqn] = issue_statistics(route.plans[fqn], EagerAccess(runtime), layer_input)
+
+
+@record_input.register_fake
+def _(namespace, fqn, layer_input):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.gift.record_input.default)
+
+
+def _input_hook(namespace: str, fqn: str):
+    def hook(module, args, output):
+        torch.ops.gift.record_input(namespace, fqn, args[0].detach().reshape(-1, args[0].shape[-1]))
+
+    return hook
+
+
+def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=frozenset(), embedding_dtype: str = "fp8") -> FsdpRoute:
+    """Give every FSDP parameter group of ``model`` a :class:`GiftReduceScatter` and whiten the
+    ``selected`` Linear layers (call after ``fully_shard``, before the first forward)."""
+    route = FsdpRoute(namespace, embedding_dtype=embedding_dtype)
+    runtime.integration = route
+    names = {module: name for name, module in model.named_modules()}
+    seen = set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(f"GIFT: FSDP module {names[module]!r} has {len(groups)} parameter groups; one per fully_shard call is supported")
+        if not groups or id(groups[0]) in seen:  # the root holds none; fully_shard([a, b]) shares one
+            continue
+        group = groups[0]
+        seen.add(id(group))
+        shard_group = group.mesh_info.shard_process_group
+        segments = group_segments(group.fsdp_params, names, dist.get_world_size(shard_group))
+        route.segments += segments
+        module.set_custom_reduce_scatter(GiftReduceScatter(segments, namespace))
+        for segment in segments:
+            if segment.layer is not None:
+                route.plans[segment.layer] = LayerPlan(segment.layer, segment.shape[0], segment.cols, True, "reduce_scatter", "sum",
+                                                       shard_group.group_name, runtime.config)
+    route.select(model, selected)
+    return route
+
+
+__all__ = ["FsdpRoute", "GiftReduceScatter", "Segment", "group_segments", "install", "normalize_op"]

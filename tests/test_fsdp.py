@@ -1,0 +1,127 @@
+"""GIFT's FSDP2 reduce-scatter against the eager reference, on real gloo ranks.
+
+A model mixing a selected Linear (with a bias), an unselected Linear, an embedding and a norm
+is ``fully_shard``-ed with one parameter group per submodule and one for the root; its
+gradients come back sharded by FSDP through :class:`gift_compile.fsdp.GiftReduceScatter`.
+The reference reduces each rank's full local gradient (from an unsharded replica) with the
+library's eager path. Both run the same per-layer step, so selected and FP8 weights agree bit
+for bit; 1-D parameters keep the reduce dtype (fp32: exact to rounding).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gift_compile import GiftConfig
+from gift_compile.collectives import WireFormat
+from gift_compile.comm import euclidean_reduce
+from gift_compile.fsdp import install
+from gift_compile.reference import GiftReducer
+from gift_compile.runtime import register_runtime
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 24)
+        self.up = nn.Linear(24, 37)  # 37 rows: padding on 2 and 3 ranks
+        self.down = nn.Linear(37, 24, bias=False)
+        self.norm = nn.LayerNorm(24)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        return self.norm(self.down(torch.relu(self.up(h)))).square().sum()
+
+
+def fsdp_steps(rank, world, reduce_dtype, steps=4):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = Mixed()
+    replica = copy.deepcopy(model)
+    config = GiftConfig(layers=("up",), low_rank=8, fallback=False)
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for name in ("embed", "up", "down", "norm"):
+        fully_shard(getattr(model, name), mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    runtime = register_runtime(f"fsdp-{world}-{reduce_dtype}", config)
+    install(model, runtime, f"fsdp-{world}-{reduce_dtype}", {"up"})
+
+    reference = GiftReducer(config)
+    inputs = {}
+    replica.up.register_forward_hook(lambda m, args, out: inputs.__setitem__("up", args[0].detach().reshape(-1, 24)))
+    worst = {}
+    for step in range(steps):
+        tokens = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
+        model(tokens).backward()
+        replica(tokens).backward()
+        for name, param in model.named_parameters():
+            local = replica.get_parameter(name).grad.to(reduce_dtype)
+            if name == "up.weight":
+                want = reference.reduce_layer("up", local, inputs["up"], op="avg", collective="reduce_scatter")  # FSDP2 averages
+            else:
+                wire = WireFormat("fp8") if local.dim() == 2 else WireFormat("bf16" if reduce_dtype == torch.bfloat16 else "fp32")
+                want = euclidean_reduce(local, op="avg", group=None, wire=wire, collective="reduce_scatter").output
+            got = param.grad.to_local()
+            want = want[: got.shape[0]].to(got.dtype)
+            error = ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+            worst[name] = max(worst.get(name, 0.0), error)
+        model.zero_grad()
+        replica.zero_grad()
+    counters = {fqn: c.as_dict() for fqn, c in runtime.counters.items()}
+    return worst, counters
+
+
+@pytest.mark.parametrize("world, reduce_dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype):
+    for worst, counters in ranks(world).run(fsdp_steps, reduce_dtype):
+        assert worst["up.weight"] == 0.0  # GIFT: the same step as the reference, bit for bit
+        assert worst["down.weight"] == 0.0 and worst["embed.weight"] == 0.0  # Euclidean FP8
+        # 1-D: the reduce dtype's own sum (gloo's order vs the reference's): rounding only.
+        limit = 1e-2 if reduce_dtype == torch.bfloat16 else 1e-6
+        assert worst["up.bias"] < limit and worst["norm.weight"] < limit and worst["norm.bias"] < limit
+        assert counters["up"]["path"] == "gift" and counters["up"]["steps"] == 4 and counters["up"]["stats_bytes"] > 0
+        assert counters["down"]["path"] == "fp8" and counters["embed"]["path"] == "fp8"
+        assert counters["up"]["error_vs_fp8"] is not None
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(24, 48), nn.Linear(48, 24)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def compiled_blocks(rank, world, steps=4):
+    # torchtitan's standard trainer: each block compiled with fullgraph=True, then fully_shard.
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model:
+        block.compile(backend="aot_eager", fullgraph=True)  # a graph break would raise
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    runtime = register_runtime("fsdp-compiled", GiftConfig(layers=("up",), low_rank=8))
+    install(model, runtime, "fsdp-compiled", {"0.up", "1.up"})
+    graphs = []
+    for step in range(steps):
+        x = torch.randn(6, 24, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).square().sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return graphs, {fqn: c.as_dict()["steps"] for fqn, c in runtime.counters.items()}
+
+
+def test_statistics_hook_traces_into_compiled_blocks_without_recompiling(ranks):
+    for graphs, steps in ranks(2).run(compiled_blocks):
+        assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs)  # compiled once, never again
+        assert steps["0.up"] == steps["1.up"] == 4  # each step found its forward statistics
