@@ -722,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps is not None:
         s = dataclasses.replace(s, steps=args.steps)
     if args.replay is not None:
-        run = Run(**{**torch.load(args.replay, weights_only=False), "settings": s})
+        run = Run(**{**torch.load(args.replay, weights_only=True), "settings": s})  # plain data: lists, dicts, numbers
     else:
         run = run_benchmark(s, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         args.out.mkdir(parents=True, exist_ok=True)

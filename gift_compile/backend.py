@@ -4,10 +4,12 @@
 
 For each graph Dynamo hands over, the backend reads which ``nn.Linear`` layers it contains
 (from ``nn_module_stack``; in compiled-autograd graphs, from the parameters they accumulate
-into, see passes/compiled_autograd.py), checks the config's layer patterns against them (a
-pattern that matches nothing is an error listing the Linear FQNs), and compiles with
-Inductor, with the GIFT pass installed as ``post_grad_custom_pre_pass`` (before Inductor's own
-DDP bucketing).
+into, see passes/compiled_autograd.py), selects those the config's patterns match, and
+compiles with Inductor, with the GIFT pass installed as ``post_grad_custom_pre_pass`` (before
+Inductor's own DDP bucketing). A model with graph breaks is several graphs, each with some of
+its Linear layers, so a pattern may match nothing in one of them; it is an error (listing the
+Linear FQNs seen) only if it matches nothing in any graph, checked when the first backward is
+compiled: by then every forward graph of the first step has been seen.
 
 The pass object is a ``CustomGraphPass`` whose ``uuid()`` covers the config, the namespace,
 the graph's Linear FQNs and the source of this package, so Inductor's FX graph cache stays
@@ -32,7 +34,7 @@ from gift_compile.passes.compiled_autograd import LinearWeight, output_fqns, rem
 from gift_compile.passes.gift_collectives import find_gradient_collectives, gift_collectives_pass
 from gift_compile.passes.graph_utils import is_linear_type, module_fqn
 from gift_compile.runtime import GiftRuntime, register_runtime
-from gift_compile.selection import select_layers
+from gift_compile.selection import check_patterns, matching
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ class GiftGraphPass(CustomGraphPass):
     ) -> None:
         self.config, self.namespace, self.linears, self.selected = config, namespace, linears, selected
         self.output_weights = output_weights  # compiled-autograd graphs: the Linear weight behind each output
+        self.before_backward = None  # the backend's check of its patterns against every graph seen
         self.saw_backward_without_collectives = False
         self.calls = 0  # graphs this pass rewrote in this process (0 on FX-graph-cache hits)
 
@@ -66,6 +69,8 @@ class GiftGraphPass(CustomGraphPass):
         if self.output_weights is not None:
             tag_outputs(graph, self.output_weights)
         is_backward = any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))
+        if is_backward and self.before_backward is not None:
+            self.before_backward()
         if is_backward and not find_gradient_collectives(graph):
             self.saw_backward_without_collectives = True
             log.warning(
@@ -93,6 +98,7 @@ class GiftBackend:
         self.passes: list[GiftGraphPass] = []
         # Linear weight -> FQN, from forward graphs: compiled-autograd graphs name only parameters.
         self.linear_weights = WeakIdKeyDictionary()
+        self.linears_seen: dict[str, None] = {}  # every Linear FQN of every graph, in first-seen order
 
     @property
     def state(self) -> torch.nn.Module:
@@ -106,10 +112,17 @@ class GiftBackend:
         output_weights = output_fqns(gm, self.linear_weights)
         if output_weights is not None:
             linears = [w.fqn for w in output_weights if w is not None]
-        selected = frozenset(select_layers(linears, self.config.layers)) if linears else frozenset()
+        self.linears_seen.update(dict.fromkeys(linears))
+        selected = frozenset(matching(linears, self.config.layers))
         graph_pass = GiftGraphPass(self.config, self.name, tuple(linears), selected, output_weights)
+        graph_pass.before_backward = self.check_patterns
         self.passes.append(graph_pass)
         return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": graph_pass})
+
+
+    def check_patterns(self) -> None:
+        """Raise if a layer pattern matches no Linear layer of any graph seen so far."""
+        check_patterns(self.linears_seen, self.config.layers)
 
 
 def linear_layers(gm: fx.GraphModule) -> list[str]:

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 
 from gift_compile.config import GiftConfig
 from gift_compile.numerics import block_amax, boundary_hits, dequantize, quantize
@@ -111,19 +112,16 @@ def _check(x: torch.Tensor, op: ReduceOp) -> None:
 
 def _chunked(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     """``x`` as ``(world, padded_shard_rows, cols)`` fp32 with zero padding rows."""
-    flat = x.reshape(lay.rows, lay.cols).float()
-    pad_rows = lay.world * lay.shard_rows - lay.rows
-    if pad_rows:
-        flat = torch.cat([flat, flat.new_zeros(pad_rows, lay.cols)])
+    # Zero rows by F.pad, not cat with zeros: torch 2.13's Inductor (CPU) writes a cat's inputs
+    # into views of its output and could reuse that output's memory while such a view was
+    # still live, which corrupted a second padded gradient in the same graph.
+    flat = F.pad(x.reshape(lay.rows, lay.cols).float(), (0, 0, 0, lay.world * lay.shard_rows - lay.rows))
     return _pad_to_scale_blocks(flat.reshape(lay.world, lay.shard_rows, lay.cols), lay)
 
 
 def _pad_to_scale_blocks(chunks: torch.Tensor, lay: Layout) -> torch.Tensor:
     """Zero rows so each ``(n, shard_rows, cols)`` chunk holds whole scale blocks."""
-    pad_inner = lay.padded_shard_rows - lay.shard_rows
-    if pad_inner:
-        chunks = torch.cat([chunks, chunks.new_zeros(chunks.shape[0], pad_inner, lay.cols)], dim=1)
-    return chunks
+    return F.pad(chunks, (0, 0, 0, lay.padded_shard_rows - lay.shard_rows))
 
 
 def _encode(chunks: torch.Tensor, lay: Layout, wire: WireFormat, group) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,10 +76,8 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.T
 
 def row_blocks(x: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, int]:
     """Pad ``x``'s dim 0 with zero rows to a multiple of ``block_rows``; return it and the block count."""
-    rows = x.shape[0]
-    pad = -rows % block_rows
-    if pad:
-        x = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+    pad = -x.shape[0] % block_rows
+    x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
     return x, x.shape[0] // block_rows
 
 

@@ -25,12 +25,24 @@ def linear_fqns(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
 
 
-def select_layers(candidates: Iterable[str], patterns: Sequence[str]) -> list[str]:
-    """The candidate FQNs matched by any pattern; every pattern must match something."""
+def matching(candidates: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """The candidate FQNs matched by any pattern (a pattern may match none of them)."""
+    return [fqn for fqn in candidates if any(pattern_matches(p, fqn) for p in patterns)]
+
+
+def check_patterns(candidates: Iterable[str], patterns: Sequence[str]) -> None:
+    """Every pattern must match one of the model's Linear layers: a typo must not silently
+    whiten nothing."""
     candidates = list(candidates)
     unmatched = [p for p in patterns if not any(pattern_matches(p, fqn) for fqn in candidates)]
     if unmatched:
         raise ValueError(
             f"GIFT layer pattern(s) {unmatched} match no Linear layer; Linear layers in this model: {candidates}"
         )
-    return [fqn for fqn in candidates if any(pattern_matches(p, fqn) for p in patterns)]
+
+
+def select_layers(candidates: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """The candidate FQNs matched by any pattern; every pattern must match something."""
+    candidates = list(candidates)
+    check_patterns(candidates, patterns)
+    return matching(candidates, patterns)

@@ -267,3 +267,33 @@ def test_ddp_compiled_autograd_route_matches_the_reference(cache_root, ranks):
             assert step["fc1.weight"] == 0.0 and step["fc2.weight"] == 0.0
             # DDP divides by the world size before its fp32 sum, the reference after: rounding only.
             assert step["fc1.bias"] < 1e-5 and step["fc2.bias"] < 1e-5
+
+
+class BrokenMLP(MLP):
+    """fc1 and fc2 in two Dynamo graphs (a graph break between them), as real models often are."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        torch._dynamo.graph_break()
+        return self.fc2(h)
+
+
+def graph_break_steps(rank, world, layers):
+    torch.manual_seed(0)
+    backend = gift_backend(GiftConfig(layers=layers, low_rank=4), name=f"break-{layers}")
+    compiled = torch.compile(replicate(BrokenMLP()), backend=backend)
+    try:
+        for step in range(3):
+            compiled(batch(step, rank)).square().mean().backward()
+    except Exception as error:  # the pattern check surfaces from the first backward's compile
+        return str(error), len(backend.passes)
+    return {fqn: (c.path, c.steps) for fqn, c in backend.runtime.counters.items()}, len(backend.passes)
+
+
+def test_a_graph_break_keeps_the_selection_per_model(ranks):
+    for paths, graphs in ranks(2).run(graph_break_steps, ("fc2",)):
+        assert graphs == 2  # two forward graphs: fc1's and fc2's
+        assert paths == {"fc1": ("fp8", 3), "fc2": ("gift", 3)}
+    for message, _ in ranks(2).run(graph_break_steps, ("nomatch",)):
+        # One error for the model, naming the Linear layers of every graph (not a per-graph one).
+        assert "['nomatch'] match no Linear layer" in message and "['fc1', 'fc2']" in message

@@ -151,3 +151,50 @@ def _dense(factors):
     basis, coef, coef_inv, scale, scale_inv = (t.double() for t in factors)
     eye = torch.eye(basis.shape[0], dtype=torch.float64)
     return eye * scale + (basis * coef) @ basis.T, eye * scale_inv + (basis * coef_inv) @ basis.T
+
+
+class TwiceUsed(nn.Module):
+    """One Linear layer used twice in a forward; each use's gradient part is ``grad_out_k^T x_k``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D_IN, D_OUT, bias=False)
+
+    def forward(self, x1, g1, x2, g2):
+        return (self.fc(x1) * g1).sum() + (self.fc(x2) * g2).sum()
+
+
+def second_use(rank, step):
+    grad_out, x = step_data(rank, step + 100)
+    return grad_out, x[: TOKENS // 2] * 0.5
+
+
+def twice_used_steps(rank, world, steps):
+    torch.manual_seed(0)
+    model = replicate(TwiceUsed())
+    backend = gift_backend(config_for("current_step").replace(layers=("fc",)), name="twice")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    outputs = []
+    for step in range(steps):
+        (g1, x1), (g2, x2) = step_data(rank, step), second_use(rank, step)
+        compiled(x1, g1[: x1.shape[0]], x2, g2[: x2.shape[0]]).backward()
+        outputs.append(model.fc.parametrizations.weight.original.grad.clone())
+        model.zero_grad()
+    return outputs, {fqn: c.as_dict()["steps"] for fqn, c in backend.runtime.counters.items()}
+
+
+def test_a_layer_used_twice_reduces_each_use_with_its_own_state(ranks):
+    # replicate() all-reduces each use's part of the gradient; each part gets its own GIFT state
+    # (its own inputs' statistics, its own residual): the sum must equal two independent oracles.
+    steps = 6
+    outputs, counters = ranks(2).run(twice_used_steps, steps)[0]
+    assert counters == {"fc": steps, "fc#2": steps}  # one GIFT step per backward for each use
+    oracles = [OracleLayer(D_OUT, D_IN, 2, RANK, 0.3, collective="all_reduce") for _ in range(2)]
+    for step in range(steps):
+        want = 0
+        for oracle, use in zip(oracles, (step_data, second_use)):
+            data = [use(r, step) for r in range(2)]
+            grads = [g[: x.shape[0]].double().T @ x.double() for g, x in data]
+            want = want + oracle.reduce(grads, [x for _, x in data])
+        error = ((outputs[step].double() - want).norm() / want.norm()).item()
+        assert error < 1e-5, f"step {step}: {error:.2e}"

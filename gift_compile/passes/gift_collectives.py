@@ -41,7 +41,9 @@ through the same two halves with a residual and no statistics).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -142,12 +144,19 @@ def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, s
     attribute to a Linear layer keep their original, full-precision reduction.
     """
     rewritten, skipped = [], []
+    uses: Counter[str] = Counter()
     for found in find_gradient_collectives(graph):
         if found.fqn is None:
             if found.mm is not None:
                 skipped.append(found.collective.name)
             continue
-        if found.fqn in selected:
+        # A layer used twice in one forward has one collective per use (replicate() reduces each
+        # use's part of the gradient): each keeps its own state, keyed "fqn#2", "fqn#3", ...
+        uses[found.fqn] += 1
+        layer = found.fqn
+        if uses[layer] > 1:
+            found = dataclasses.replace(found, fqn=f"{layer}#{uses[layer]}")
+        if layer in selected:
             rewrite_stateful(graph, found, config, namespace, whitened=True)
         elif config.euclidean_dtype == "fp8" and config.euclidean_error_feedback:
             rewrite_stateful(graph, found, config, namespace, whitened=False)
