@@ -113,6 +113,9 @@ class FsdpRoute:
     def select(self, model: nn.Module, layers) -> None:
         """Whiten ``layers`` from the next step on (each gets its forward statistics hook once)."""
         layers = frozenset(layers)
+        if layers and not self.plans:
+            log.info("GIFT: every FSDP shard group has one rank: nothing to communicate, gradients stay as they are")
+            return
         missing = sorted(layers - set(self.plans))
         if missing:
             raise ValueError(f"GIFT layers {missing} are not Linear weights of any fully_shard parameter group; "
@@ -240,6 +243,8 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
         seen.add(id(group))
         shard_group = group.mesh_info.shard_process_group
         segments = group_segments(group.fsdp_params, names, dist.get_world_size(shard_group))
+        if dist.get_world_size(shard_group) == 1:
+            continue  # FSDP does not reduce-scatter over one rank (it copies): nothing to send
         route.segments += segments
         module.set_custom_reduce_scatter(GiftReduceScatter(segments, namespace))
         for segment in segments:

@@ -160,3 +160,27 @@ def test_bad_launch_settings_are_refused_before_anything_runs(tmp_path, capsys, 
     job.write_text("[launch]\n" + launch)
     assert launcher.main([str(job), "--dry-run"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "gift, message",
+    [
+        ("layers = 5", "GiftConfig.layers=5 is invalid"),
+        ("damping = true", "GiftConfig.damping=True is invalid"),
+        ('layers_file = "../../x.toml"', "gift.layers_file='../../x.toml' is invalid"),
+    ],
+)
+def test_loose_gift_values_name_their_field(tmp_path, capsys, gift, message):
+    job = tmp_path / "job.toml"
+    job.write_text(f"[gift]\nenabled = true\n{gift}\n")
+    assert launcher.main([str(job), "--dry-run"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_pattern_matching_no_layer_stops_the_launch_before_any_rank(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text(f'dump_folder = "{tmp_path / "out"}"\n[launch]\nnproc = 2\n[gift]\nenabled = true\nlayers = ["nomatch"]\n')
+    assert launcher.main([str(job)]) == 2  # not a dry run: it would have started torchrun
+    err = capsys.readouterr().err
+    assert "['nomatch'] match no Linear layer" in err and "layers.0.attention.qkv_linear.wqkv" in err
+    assert not (tmp_path / "out").exists()

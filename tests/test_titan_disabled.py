@@ -73,3 +73,12 @@ def test_resuming_an_auto_run_needs_its_chosen_layers(auto_run, tmp_path):
     explicit = run_job(JOB, tmp_path / "explicit", *resume, *CHECKPOINT, "--gift.layers", ",".join(chosen)).check()
     assert explicit.series("loss").keys() == {4}
     assert explicit.series("loss")[4] == pytest.approx(auto_run.series("loss")[4], rel=1e-4)
+
+
+def test_one_rank_runs_and_equals_the_plain_run(tmp_path):
+    # One rank has nothing to communicate: GIFT says so once and changes nothing.
+    common = ["--nproc", "1", "--training.steps", "2", "--metrics.log_freq", "1", "--debug.seed", "0"]
+    gift = run_job(JOB, tmp_path / "gift", *common).check()
+    plain = run_job(JOB, tmp_path / "plain", *common, "--gift.no-enabled").check()
+    assert gift.losses() == plain.losses() and len(gift.losses()) == 2
+    assert gift.log.count("one rank has nothing to communicate") == 1

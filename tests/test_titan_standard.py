@@ -85,3 +85,14 @@ def test_two_nodes_run_the_job_to_the_end(tmp_path):
     records = read_records(Path(dump))
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]
     assert all("--node_rank=%d" % node in log for node, log in enumerate(logs))
+
+
+def test_auto_selection_works_on_the_standard_trainer(tmp_path):
+    job = write_job(tmp_path / "job.toml", "llama3_debug_standard", steps=4,
+                    gift={"enabled": True, "layers": "auto", "auto_profile_steps": 2})
+    run = run_job(job, tmp_path / "auto").check()
+    counters = run.counters(0)
+    assert counters["chosen"] and counters["switched_at"] == 3
+    assert {fqn for fqn, c in counters["layers"].items() if c["path"] == "gift"} == set(counters["chosen"])
+    assert all(counters["layers"][fqn]["steps"] == 2 for fqn in counters["chosen"])  # whitened from step 3 on
+    assert run.series("gift/profiling") == {1: 1, 2: 1, 3: 0, 4: 0}

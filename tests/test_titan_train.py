@@ -8,6 +8,7 @@ step-10 checkpoint. About 1.5 minutes on 2 cores.
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
@@ -24,18 +25,18 @@ def runs(tmp_path_factory):
     job = write_job(tmp / "job.toml", "llama3_debug", steps=STEPS, checkpoint_every=10,
                     gift={"enabled": True, "layers": ["w2"], "meter_interval": 5})
     first = run_job(job, tmp / "first").check()
-    return first, resume(first, job, tmp / "resumed", 10)
+    return first, resume(first, job, tmp / "resumed", 10), job
 
 
 def test_loss_decreases(runs):
-    first, _ = runs
+    first, *_ = runs
     losses = first.losses()
     assert len(losses) == STEPS
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
 
 
 def test_gift_path_is_active_on_the_selected_layers(runs):
-    first, _ = runs
+    first, *_ = runs
     expected = [f"layers.{i}.feed_forward.w2" for i in range(6)]
     for rank in (0, 1):
         counters = first.counters(rank)
@@ -57,14 +58,14 @@ def test_gift_path_is_active_on_the_selected_layers(runs):
 def test_cuda_graph_pass_is_kept_away_from_the_gift_ops(runs):
     # graph_trainer's default pipeline ends with cudagraph_pass (it only skips itself at run
     # time when every op is a CPU op); its replays would skip the gift:: ops' Python.
-    first, _ = runs
+    first, *_ = runs
     applied = set(re.findall(r"\b\d+\. (\w+_pass)\b", first.log))
     assert "gift_joint_graph_pass" in applied
     assert "cudagraph_pass" not in applied
 
 
 def test_gradient_bytes_at_most_026x_fp32(runs):
-    first, _ = runs
+    first, *_ = runs
     total, fp32 = first.last("gift/bytes_per_step"), first.last("gift/bytes_per_step_fp32")
     # fp32 baseline: what the same job's gradient collectives send in fp32 (ring bytes per rank)
     assert fp32 == pytest.approx(6_160_000 * 4 / 2, rel=0.02)
@@ -73,7 +74,7 @@ def test_gradient_bytes_at_most_026x_fp32(runs):
 
 
 def test_checkpoint_restores_gift_state(runs):
-    first, resumed = runs
+    first, resumed, _ = runs
     assert "Loading the checkpoint from" in resumed.log or "load" in resumed.log.lower()
     a, b = first.series("loss"), resumed.series("loss")
     assert sorted(b) == list(range(11, STEPS + 1))
@@ -84,3 +85,19 @@ def test_checkpoint_restores_gift_state(runs):
         assert cb["state_steps"] == ca["state_steps"] == {f"layers.{i}.feed_forward.w2": STEPS for i in range(6)}
         assert cb["state_checksum"] == pytest.approx(ca["state_checksum"], rel=1e-6)
         assert cb["residual_norm"] == pytest.approx(ca["residual_norm"], rel=1e-4)
+
+
+def test_resuming_with_other_layers_says_which(runs, tmp_path):
+    first, _, job = runs
+    shutil.copytree(first.dump_folder / "checkpoint" / "step-10", tmp_path / "other" / "checkpoint" / "step-10")
+    other = run_job(job, tmp_path / "other", "--checkpoint.load_step", "10", "--gift.layers", "wo")
+    assert other.returncode != 0
+    assert "the checkpoint holds state for the whitened layers ['layers.0.feed_forward.w2'" in other.log
+    assert "but this run whitens ['layers.0.attention.wo'" in other.log
+
+
+def test_a_resume_in_the_same_folder_records_each_step_once(runs):
+    first, _, job = runs
+    again = run_job(job, first.dump_folder, "--checkpoint.load_step", "10").check()
+    assert [r["step"] for r in again.records if "loss" in r] == list(range(1, STEPS + 1))
+    assert again.series("loss")[STEPS] == pytest.approx(first.series("loss")[STEPS], rel=1e-4)

@@ -71,8 +71,6 @@ def resume(first: JobResult, job: Path, folder: Path, step: int, *overrides: str
 
 def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, timeout: float = 900, cwd: str | Path | None = None) -> JobResult:
     dump_folder = Path(dump_folder).resolve()
-    if (dump_folder / METRICS_FILE).exists():
-        (dump_folder / METRICS_FILE).unlink()
     command = [sys.executable, "-m", "gift_compile.titan_integration.launcher"]
     command += [str(job)] if job is not None else []
     command += ["--dump_folder", str(dump_folder), *overrides]

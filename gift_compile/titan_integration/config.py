@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import PurePath
 from typing import Annotated, Literal
 
 import tyro
@@ -85,6 +86,9 @@ def section_from_dict(values: dict):
     """A section from a TOML ``[gift]`` table: unknown keys and bad values are a ``ValueError``."""
     section = GiftSection(**normalize_table(values))
     to_gift_config(section)  # validate every GiftConfig field now, with its message
+    name = section.layers_file
+    if not isinstance(name, str) or PurePath(name).name != name or name in ("", ".", ".."):
+        raise ValueError(f"gift.layers_file={name!r} is invalid; it must be a file name (it is written inside the dump folder)")
     for name, (kind, _, _) in INTEGRATION_FIELDS.items():
         value = getattr(section, name)
         choices = typing.get_args(kind)

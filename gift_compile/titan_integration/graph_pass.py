@@ -96,6 +96,10 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
     ctx = get_pass_context(namespace)
     graph = gm.graph
     found = gc.find_gradient_collectives(graph)
+    if not found:  # one rank: nothing to communicate, so nothing to rewrite
+        log.info("GIFT: the traced graph has no gradient collectives (one rank has nothing to communicate); it runs unchanged")
+        ctx.accounting = GraphAccounting()
+        return gm
     accounting = GraphAccounting(collectives=len(found))
     accounting.linear_candidates = [g.fqn for g in found if g.fqn is not None]
     missing = sorted(ctx.selected - set(accounting.linear_candidates))

@@ -11,6 +11,7 @@ TOML sections / ``--section.field`` flags override its fields.
   reduce-scatters each block's gradients (``gift_compile.fsdp``). Per-block compile is off
   here (``[compile] enable = true`` turns it on).
 - ``llama3_8b``: Llama-3.1 8B on graph_trainer (FlexAttention, C4, the model's HF tokenizer).
+- ``llama3_8b_standard``: the same on the standard trainer (FSDP2, per-block compile).
 """
 
 from __future__ import annotations
@@ -93,10 +94,8 @@ def llama3_debug_standard() -> GiftTrainer.Config:
     return _with_gift(GiftTrainer.Config, _debug_base(_standard_debug_spec()))
 
 
-def llama3_8b() -> GiftGraphTrainer.Config:
-    """Llama-3.1 8B pretraining on graph_trainer; tokenizer from ``hf_assets_path`` (download it first)."""
-    spec = graph_llama3.model_registry("8B")
-    base = Trainer.Config(
+def _8b_base(spec) -> Trainer.Config:
+    return Trainer.Config(
         model_spec=spec,
         hf_assets_path="./assets/hf/Llama-3.1-8B",
         dump_folder="./outputs/llama3_8b_gift",
@@ -112,9 +111,23 @@ def llama3_8b() -> GiftGraphTrainer.Config:
         compile=CompileConfig(enable=False),
         validator=Validator.Config(enable=False, freq=500, steps=1200),
     )
-    return _graph(base)
 
 
-CONFIGS = ("llama3_debug", "llama3_debug_standard", "llama3_8b")
+def llama3_8b() -> GiftGraphTrainer.Config:
+    """Llama-3.1 8B pretraining on graph_trainer; tokenizer from ``hf_assets_path`` (download it first)."""
+    return _graph(_8b_base(graph_llama3.model_registry("8B")))
+
+
+def llama3_8b_standard() -> GiftTrainer.Config:
+    """Llama-3.1 8B on torchtitan's standard trainer (FSDP2 fully_shard per block, per-block
+    compile, FlexAttention): GIFT reduce-scatters each block's gradients."""
+    from torchtitan.models import llama3
+
+    base = _8b_base(llama3.model_registry("8B"))
+    base.compile = CompileConfig(enable=True)
+    return _with_gift(GiftTrainer.Config, base)
+
+
+CONFIGS = ("llama3_debug", "llama3_debug_standard", "llama3_8b", "llama3_8b_standard")
 
 __all__ = list(CONFIGS)

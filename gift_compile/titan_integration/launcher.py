@@ -20,8 +20,9 @@ Every key is checked against the chosen config (nested tables such as
 value stops the launch with a message listing the valid keys. Flags on the command line
 (``--training.steps 5``, ``--gift.enabled``, ``--gift.no-enabled``, ``--gift.layers=w2,wo``)
 override the file. The result becomes torchtitan's own ``--section.field`` flags, parsed once
-more by torchtitan's ``ConfigManager`` here (``--dry-run`` stops after that and prints the
-torchrun command), then ``torchrun`` starts ``nproc`` ranks of
+more by torchtitan's ``ConfigManager`` here; the model is built on the meta device to check
+the ``[gift] layers`` patterns (``--dry-run`` stops after that and prints the torchrun
+command), then ``torchrun`` starts ``nproc`` ranks of
 ``gift_compile.titan_integration.entry`` on this node. One node: ``torchrun --standalone``
 (a free port). Several: every node runs the same job file with its own ``--node-rank``
 (``[launch] nnodes``, ``master_addr``, ``master_port`` shared).
@@ -223,6 +224,26 @@ def titan_args(document: dict, settings: dict) -> list[str]:
     return ["--module", settings["module"], "--config", settings["config"], *to_flags(body)]
 
 
+def check_model(config) -> None:
+    """Build the job's model on the meta device (no memory, no ranks) and check the ``[gift]``
+    layer patterns against its Linear layers, so a typo stops the launch, not every rank later."""
+    gift = getattr(config, "gift", None)
+    if gift is None or not gift.enabled or list(gift.layers) == ["auto"]:
+        return
+    from torch import nn
+
+    from gift_compile.selection import check_patterns
+
+    model_config = config.model_spec.model
+    model_config.update_from_config(config=config)
+    with torch.device("meta"):
+        model = model_config.build()
+    try:
+        check_patterns([name for name, module in model.named_modules() if isinstance(module, nn.Linear)], [p for p in gift.layers if p])
+    except ValueError as error:
+        raise JobError(f"[gift] layers: {error}") from None
+
+
 def parse_with_torchtitan(args: list[str]):
     """torchtitan's own parse of the final flags (type errors surface here, before torchrun)."""
     from torchtitan.config import ConfigManager
@@ -265,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         document = merge(document, {"launch": {k: v for k, v in flags.items() if v is not None}})
         settings, _, document = check_job(document)
         args = titan_args(document, settings)
-        parse_with_torchtitan(args)
+        check_model(parse_with_torchtitan(args))
     except JobError as e:
         print(f"gift-titan: error: {e}", file=sys.stderr)
         return 2

@@ -33,7 +33,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.runtime import GiftRuntime, register_runtime
 from gift_compile.selection import select_layers
 from gift_compile.titan_integration import autoselect
-from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState
+from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState, explain_failed_loads
 from gift_compile.titan_integration.config import GiftSection, to_gift_config
 from gift_compile.titan_integration.graph_pass import (
     NAMESPACE, PIPELINE_NAME, GraphAccounting, PassContext, disable_incompatible_passes, get_pass_context, set_pass_context,
@@ -132,6 +132,7 @@ class GiftSession:
         self.route.select(self._wire_config(), self.chosen, section.embedding_dtype, retrace=False)
         if getattr(trainer.checkpointer, "enable", False):
             trainer.checkpointer.states[KEY] = GiftCheckpointState(self.runtime)
+            explain_failed_loads(trainer.checkpointer, self.runtime)
         self._wrap_metrics(trainer.metrics_processor)
         log.info(
             "GIFT enabled (%s route): %s; layers %s", route, self.config,
@@ -255,10 +256,20 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+_STARTED: set[Path] = set()  # folders this process has written to
+
+
 def record_metrics(dump_folder: Path, step: int, **values: Any) -> None:
-    """Append one JSON line to ``<dump_folder>/gift_metrics.jsonl`` (rank 0 only)."""
+    """Append one JSON line to ``<dump_folder>/gift_metrics.jsonl`` (rank 0 only). The first
+    record of a process drops what an earlier run wrote from this step on (a resume reruns it)."""
     if rank() != 0:
         return
+    path = dump_folder / METRICS_FILE
+    if dump_folder not in _STARTED:
+        _STARTED.add(dump_folder)
+        if path.exists():
+            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+            path.write_text("".join(line + "\n" for line in kept))
     values = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
     values["step"] = step
     values["time"] = time.time()
@@ -266,7 +277,7 @@ def record_metrics(dump_folder: Path, step: int, **values: Any) -> None:
     if torch.cuda.is_available():
         values["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     dump_folder.mkdir(parents=True, exist_ok=True)
-    with open(dump_folder / METRICS_FILE, "a") as f:
+    with open(path, "a") as f:
         f.write(json.dumps(values) + "\n")
 
 

@@ -1,0 +1,156 @@
+"""Projected step time at cluster scale: fp32 vs bf16 vs FP8 vs GIFT gradients (alpha-beta model).
+
+A bandwidth-limited link is where low-precision gradients pay off; this machine has none at
+cluster scale, so this script projects from a small cost model. Every input is printed and
+labelled *measured* (on this machine, by this script) or *assumed* (a figure you can override
+with a flag, e.g. for a GPU):
+
+* data-parallel gradient traffic per GPU per step: a bandwidth-optimal ring, so an all-reduce
+  sends ``2 (N-1)/N`` and a reduce-scatter ``(N-1)/N`` of the gradient bytes, plus ``alpha``
+  per ring hop; FP8 bytes are 1 per element (+ scales, negligible), GIFT adds its statistics
+  (``d_in x r`` fp32 per whitened layer, all-reduced);
+* codec time: the FP8 quantize + dequantize of every gradient element at ``codec_gbps``
+  (GB/s of fp32 gradient);
+* GIFT's extra compute: per whitened layer and step, whitening and unwhitening plus the error
+  feedback's transform (6 rank-``r`` GEMMs over ``d_out x d_in``) and the input sketch
+  (``4 tokens d_in r``), at ``gemm_tflops``;
+* compute: ``6 P tokens`` flops at ``peak x MFU``.
+
+Without overlap a step is compute + communication + codec; with overlap (communication
+hidden behind the backward, as FSDP/DDP buckets do) it is ``max(compute, communication) +
+codec``: the codec and GIFT's GEMMs run on the compute stream.
+
+    python benchmarks/projection.py                     # measures the codec and GEMM rates on this CPU
+    python benchmarks/projection.py --codec-gbps 800 --gemm-tflops 400   # H100-class figures instead
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+from tabulate import tabulate
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: float
+    """Total parameters."""
+    linear_shapes: dict[str, tuple[int, int, int]]
+    """Linear layer type -> (d_out, d_in, count)."""
+    selected: tuple[str, ...]
+    """Layer types GIFT whitens."""
+
+
+def llama(name: str, dim: int, layers: int, ffn: int, kv_dim: int, vocab: int, selected: tuple[str, ...]) -> Model:
+    shapes = {"wq": (dim, dim, layers), "wk": (kv_dim, dim, layers), "wv": (kv_dim, dim, layers), "wo": (dim, dim, layers),
+              "w1": (ffn, dim, layers), "w3": (ffn, dim, layers), "w2": (dim, ffn, layers), "output": (vocab, dim, 1)}
+    params = sum(o * i * n for o, i, n in shapes.values()) + vocab * dim + 2 * dim * layers
+    return Model(name, params, shapes, selected)
+
+
+MODELS = {
+    # The paper's 600M setting: shapes assumed (a 24-block Llama of ~0.6B), its 13 whitened fc2 (w2) layers.
+    "paper 600M": llama("paper 600M (dim 1280, 24 blocks, ffn 5120; w2 of 13 blocks whitened)", 1280, 24, 5120, 1280, 32000, ("w2",)),
+    "llama3 8B": llama("Llama-3 8B (attention projections whitened)", 4096, 32, 14336, 1024, 128256, ("wq", "wk", "wv", "wo")),
+}
+PAPER_SELECTED_BLOCKS = 13  # the paper whitens w2 of 13 of the 24 blocks
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus: int
+    gbit_per_gpu: float
+    tokens_per_gpu: int
+    peak_tflops: float = 989.0  # H100 SXM bf16 dense (assumed)
+    mfu: float = 0.4  # assumed
+    alpha_us: float = 10.0  # per ring hop (assumed)
+
+
+SCENARIOS = [
+    (MODELS["paper 600M"], Cluster("64 GPUs, 200 Gbit/s each (paper)", 64, 200, 16384)),
+    (MODELS["llama3 8B"], Cluster("8 H100, 400 Gbit/s each", 8, 400, 8192)),
+    (MODELS["llama3 8B"], Cluster("64 H100, 400 Gbit/s each", 64, 400, 8192)),
+]
+PATHS = ("fp32", "bf16", "FP8", "GIFT")
+
+
+def measure_codec_gbps(numel: int = 1 << 24) -> float:
+    """GB/s of fp32 gradient through a compiled FP8 quantize + dequantize on this machine."""
+    from gift_compile.numerics import dequantize, quantize
+
+    fn = torch.compile(lambda x: dequantize(*quantize(x, "e4m3"), "e4m3"))
+    x = torch.randn(numel)
+    fn(x)
+    start = time.perf_counter()
+    for _ in range(3):
+        fn(x)
+    return 3 * numel * 4 / (time.perf_counter() - start) / 1e9
+
+
+def measure_gemm_tflops(d: int = 2048, r: int = 32) -> float:
+    """TFLOP/s of the rank-r GEMMs whitening uses (``d x d`` times ``d x r``) on this machine."""
+    g, basis = torch.randn(d, d), torch.randn(d, r)
+    g @ basis
+    start = time.perf_counter()
+    for _ in range(10):
+        g @ basis
+    return 10 * 2 * d * d * r / (time.perf_counter() - start) / 1e12
+
+
+def project(model: Model, cluster: Cluster, path: str, codec_gbps: float, gemm_tflops: float, rank: int = 32) -> dict:
+    n, bandwidth = cluster.gpus, cluster.gbit_per_gpu * 1e9 / 8
+    element_bytes = {"fp32": 4, "bf16": 2, "FP8": 1, "GIFT": 1}[path]
+    grad_bytes = model.params * element_bytes
+    comm = 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6  # all-reduce: ring
+    codec = gemms = 0.0
+    if path in ("FP8", "GIFT"):
+        codec = 2 * model.params * 4 / (codec_gbps * 1e9)  # quantize and dequantize (both all-reduce phases)
+    if path == "GIFT":
+        stats = flops = 0.0
+        for kind in model.selected:
+            d_out, d_in, count = model.linear_shapes[kind]
+            if model.name.startswith("paper"):
+                count = PAPER_SELECTED_BLOCKS
+            stats += count * d_in * rank * 4
+            flops += count * (6 * 2 * d_out * d_in * rank + 4 * cluster.tokens_per_gpu * d_in * rank)
+        comm += 2 * (n - 1) / n * stats / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6 * len(model.selected)
+        gemms = flops / (gemm_tflops * 1e12)
+    compute = 6 * model.params * cluster.tokens_per_gpu / (cluster.peak_tflops * 1e12 * cluster.mfu)
+    serial = compute + comm + codec + gemms
+    overlapped = max(compute, comm) + codec + gemms
+    return {"compute": compute, "comm": comm, "codec": codec + gemms, "serial": serial, "overlapped": overlapped}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--codec-gbps", type=float, help="GB/s of fp32 gradient through FP8 quantize+dequantize (default: measured here)")
+    parser.add_argument("--gemm-tflops", type=float, help="TFLOP/s of the rank-32 whitening GEMMs (default: measured here)")
+    parser.add_argument("--rank", type=int, default=32, help="GIFT's low rank")
+    args = parser.parse_args()
+    codec, codec_label = (args.codec_gbps, "assumed (flag)") if args.codec_gbps else (measure_codec_gbps(), "measured on this CPU")
+    gemm, gemm_label = (args.gemm_tflops, "assumed (flag)") if args.gemm_tflops else (measure_gemm_tflops(), "measured on this CPU")
+    print("inputs:")
+    print(f"  FP8 codec (quantize + dequantize): {codec:.2f} GB/s of fp32 gradient  [{codec_label}]")
+    print(f"  whitening GEMMs (d x d by d x {args.rank}): {gemm:.3f} TFLOP/s  [{gemm_label}]")
+    for model, cluster in SCENARIOS:
+        print(f"\n{model.name}: {model.params / 1e9:.2f}B parameters; {cluster.name}; {cluster.tokens_per_gpu} tokens/GPU/step")
+        print(f"  assumed: compute at {cluster.peak_tflops:.0f} TFLOP/s x MFU {cluster.mfu}; ring all-reduce of the gradients; "
+              f"alpha {cluster.alpha_us:.0f} us per hop; GIFT statistics d_in x {args.rank} fp32 per whitened layer")
+        rows, fp32 = [], None
+        for path in PATHS:
+            t = project(model, cluster, path, codec, gemm, args.rank)
+            fp32 = fp32 or t
+            rows.append([path, f"{t['compute'] * 1e3:.0f}", f"{t['comm'] * 1e3:.0f}", f"{t['codec'] * 1e3:.0f}",
+                         f"{t['serial'] * 1e3:.0f}", f"{t['comm'] / t['serial']:.0%}", f"{fp32['serial'] / t['serial']:.2f}x",
+                         f"{t['overlapped'] * 1e3:.0f}", f"{fp32['overlapped'] / t['overlapped']:.2f}x"])
+        print(tabulate(rows, headers=["gradients", "compute ms", "comm ms", "codec+GEMM ms", "step ms (serial)", "comm share",
+                                      "speed-up", "step ms (overlap)", "speed-up (overlap)"]))
+
+
+if __name__ == "__main__":
+    main()

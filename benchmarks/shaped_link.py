@@ -1,0 +1,317 @@
+"""Training over a bandwidth-limited link: two "nodes" joined by a shaped veth pair.
+
+Loopback makes fp32 traffic nearly free, so every loopback timing shows FP8 and GIFT only as
+extra codec work. Here the two ranks of a torchtitan job live in two Linux network namespaces
+joined by a veth pair whose both ends are shaped with ``tc`` (token bucket: rate, burst,
+latency; optionally netem delay), and the job is launched as a 2-node torchrun job (one rank
+per "node", gloo over the veth). The Llama-3 debug job (6.2M parameters, graph_trainer) runs
+
+* in replicate mode (pure data parallel: the gradient all-reduces are all the traffic) and
+* in FSDP mode (the parameter all-gathers travel too, so only part of the traffic shrinks),
+
+under fp32, bf16, Euclidean FP8 and GIFT gradients, at several link rates, with the same seed
+and data, all in one invocation. For every run it reports the per-step time (median and
+spread), tokens/s, the bytes the veth carried per step (kernel counters), the share of the
+step spent beyond the compute (a 1-rank run of the same per-rank batch is the compute time)
+and the loss after a fixed wall-clock budget; then the link rate below which FP8 and GIFT
+beat fp32 and GIFT's cost over FP8 at each rate. A table goes to stdout and
+benchmarks/results/shaped_link.md, the plots to shaped_link.png.
+
+It needs root and iproute2 (``ip``, ``tc``); without them it stops with a message saying what
+is missing. The namespaces it creates are always removed, also on Ctrl-C or a crash.
+
+    sudo python benchmarks/shaped_link.py                      # 50, 200, 1000 Mbit/s and unshaped
+    sudo python benchmarks/shaped_link.py --rates 100 --modes replicate --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+JOB = ROOT / "examples" / "llama3_debug_cpu.toml"
+SUBNET = "10.77.{}.{}"
+
+MODES = {
+    "replicate": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+    "fsdp": [],
+}
+VARIANTS = {
+    "fp32": ["--gift.no-enabled"],
+    "bf16": ["--gift.layers=", "--gift.euclidean_dtype", "bf16", "--gift.embedding_dtype", "bf16"],
+    "fp8": ["--gift.layers="],
+    "gift": [],
+}
+
+
+def missing_requirements() -> list[str]:
+    """What this machine lacks to run the benchmark (empty: nothing)."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root: network namespaces and tc need CAP_NET_ADMIN (run it with sudo)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            missing.append(f"the `{tool}` command (Debian/Ubuntu package iproute2)")
+    return missing
+
+
+def _run(*command: str) -> None:
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+class ShapedLink:
+    """Two network namespaces joined by a veth pair (``a`` <-> ``b``), removed on exit.
+
+    ``shape(rate_mbit)`` puts a token bucket on both ends (egress: each direction is shaped
+    once); ``None`` leaves the veth unshaped.
+    """
+
+    def __init__(self, tag: str | None = None) -> None:
+        tag = tag or str(os.getpid())
+        self.namespaces = (f"gift{tag}a", f"gift{tag}b")
+        self.devices = (f"gv{tag}a"[-15:], f"gv{tag}b"[-15:])  # interface names: 15 characters at most
+        subnet = int(tag) % 250 + 1 if tag.isdigit() else 1
+        self.addresses = (SUBNET.format(subnet, 1), SUBNET.format(subnet, 2))
+        self._created = False
+
+    def __enter__(self) -> ShapedLink:
+        atexit.register(self.remove)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+        def on_signal(sig, frame):
+            self.remove()
+            signal.signal(sig, previous[sig])
+            os.kill(os.getpid(), sig)
+
+        for sig in previous:
+            signal.signal(sig, on_signal)
+        self._created = True
+        try:
+            for ns in self.namespaces:
+                _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
+            for ns, device, address in zip(self.namespaces, self.devices, self.addresses):
+                _run("ip", "link", "set", device, "netns", ns)
+                _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", device)
+                _run("ip", "-n", ns, "link", "set", device, "up")
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Delete both namespaces (which deletes the veth pair); safe to call twice."""
+        if not self._created:
+            return
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._created = False
+
+    def shape(self, rate_mbit: float | None, delay_ms: float = 0.0) -> None:
+        for ns, device in zip(self.namespaces, self.devices):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", device, "root"], capture_output=True)
+            if rate_mbit is None and not delay_ms:
+                continue
+            parent = ["root"]
+            if delay_ms:
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms")
+                parent = ["parent", "1:", "handle", "2:"]
+            if rate_mbit is not None:
+                burst = max(int(rate_mbit * 1e6 / 8 / 100), 32 * 1024)  # 10 ms of traffic, at least 32 KiB
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, *parent, "tbf", "rate", f"{rate_mbit}mbit",
+                     "burst", str(burst), "latency", "100ms")
+
+    def tx_bytes(self, side: int) -> int:
+        out = subprocess.run(["ip", "netns", "exec", self.namespaces[side], "cat", f"/sys/class/net/{self.devices[side]}/statistics/tx_bytes"],
+                             check=True, capture_output=True, text=True).stdout
+        return int(out)
+
+    def command(self, side: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[side], *argv]
+
+
+@dataclass
+class Result:
+    mode: str
+    variant: str
+    rate: str
+    step_s: float
+    step_spread: float
+    tokens_s: float
+    bytes_per_step: float
+    losses: list[tuple[float, float]]  # (seconds since the first step ended, loss)
+
+
+def launcher(job: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "gift_compile.titan_integration.launcher", str(job), "--dump_folder", str(dump),
+            "--training.steps", str(steps), "--metrics.log_freq", "1", "--debug.seed", "0", *extra]
+
+
+def records(dump: Path) -> list[dict]:
+    path = dump / "gift_metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def timing(recs: list[dict], warmup: int) -> tuple[float, float, list[tuple[float, float]]]:
+    steps = [r for r in recs if "loss" in r]
+    times = [r["time"] for r in steps]
+    durations = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
+    spread = (max(durations) - min(durations)) / 2 if durations else float("nan")
+    curve = [(r["time"] - times[warmup], r["loss"]) for r in steps[warmup:]]
+    return statistics.median(durations), spread, curve
+
+
+def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Path, port: int) -> tuple[float, float, list, float, str]:
+    dump = workdir / f"{mode}-{variant}-{port}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
+    before = link.tx_bytes(0) + link.tx_bytes(1)
+    procs = []
+    for side in (0, 1):
+        flags = ["--nnodes", "2", "--node-rank", str(side), "--master-addr", link.addresses[0], "--master-port", str(port),
+                 "--nproc", "1", *MODES[mode], *VARIANTS[variant]]
+        procs.append(subprocess.Popen(link.command(side, launcher(JOB, dump, steps, flags)), env={**env, "GLOO_SOCKET_IFNAME": link.devices[side]},
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=3600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{mode}/{variant} failed:\n{logs[0][-3000:]}\n{logs[1][-3000:]}")
+    carried = link.tx_bytes(0) + link.tx_bytes(1) - before
+    step_s, spread, curve = timing(records(dump), warmup=2)
+    return step_s, spread, curve, carried / 2 / steps, logs[0]
+
+
+def compute_only(steps: int, workdir: Path) -> float:
+    """Per-step time of one rank with the same per-rank batch and no communication."""
+    dump = workdir / "compute"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+    subprocess.run(launcher(JOB, dump, steps, ["--nproc", "1", "--gift.no-enabled"]), env=env, check=True, capture_output=True)
+    return timing(records(dump), warmup=2)[0]
+
+
+def crossover(results: list[Result], mode: str, variant: str) -> str:
+    """The highest rate at which ``variant`` beats fp32 in tokens/s."""
+    wins = [r.rate for r in results if r.mode == mode and r.variant == variant and r.rate != "unshaped"
+            and r.tokens_s > next(f.tokens_s for f in results if f.mode == mode and f.variant == "fp32" and f.rate == r.rate)]
+    return max(wins, key=float) + " Mbit/s" if wins else "none of the rates measured"
+
+
+def report(results: list[Result], compute_s: float, tokens_per_step: int, out: Path) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for r in results:
+        fp32 = next(f for f in results if f.mode == r.mode and f.rate == r.rate and f.variant == "fp32")
+        rows.append([r.mode, r.rate, r.variant, f"{r.step_s:.2f} ± {r.step_spread:.2f}", f"{r.tokens_s:.0f}",
+                     f"{r.tokens_s / fp32.tokens_s:.2f}x", f"{max(0.0, 1 - compute_s / r.step_s):.0%}", f"{r.bytes_per_step / 2**20:.1f}",
+                     f"{r.bytes_per_step / fp32.bytes_per_step:.2f}"])
+    headers = ["mode", "link (Mbit/s)", "gradients", "step s (median ± half range)", "tokens/s", "vs fp32", "beyond compute",
+               "MiB/step/direction", "bytes vs fp32"]
+    lines = [tabulate(rows, headers=headers, tablefmt="github"), "",
+             f"Compute alone (1 rank, same per-rank batch): {compute_s:.2f} s/step; {tokens_per_step} tokens per step in all.", ""]
+    for mode in sorted({r.mode for r in results}):
+        lines.append(f"**{mode}**: FP8 beats fp32 up to {crossover(results, mode, 'fp8')}; GIFT up to {crossover(results, mode, 'gift')}.")
+        for rate in dict.fromkeys(r.rate for r in results if r.mode == mode):
+            fp8 = next(r for r in results if r.mode == mode and r.rate == rate and r.variant == "fp8")
+            gift = next(r for r in results if r.mode == mode and r.rate == rate and r.variant == "gift")
+            lines.append(f"- {rate} Mbit/s: GIFT's step time {gift.step_s / fp8.step_s - 1:+.0%} over FP8")
+        budget = min(r.losses[-1][0] for r in results if r.mode == mode and r.variant == "gift")
+        loss_at = {r.variant + " @ " + r.rate: _loss_at(r.losses, budget) for r in results if r.mode == mode}
+        lines.append(f"- loss after {budget:.0f} s of training (GIFT's time for its steps at each rate): "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in loss_at.items()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _loss_at(curve: list[tuple[float, float]], seconds: float) -> float:
+    reached = [loss for t, loss in curve if t <= seconds]
+    return reached[-1] if reached else curve[0][1]
+
+
+def plot(results: list[Result], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r.mode for r in results})
+    fig, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 8), squeeze=False)
+    for col, mode in enumerate(modes):
+        ax = axes[0][col]
+        for variant in VARIANTS:
+            runs = [r for r in results if r.mode == mode and r.variant == variant]
+            xs = [float(r.rate) if r.rate != "unshaped" else 10000.0 for r in runs]
+            ax.plot(xs, [r.tokens_s for r in runs], marker="o", label=variant)
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate, Mbit/s (10000 = unshaped veth)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{mode}: throughput")
+        ax.legend()
+        ax = axes[1][col]
+        slowest = min((r for r in results if r.mode == mode and r.rate != "unshaped"), key=lambda r: float(r.rate))
+        for variant in VARIANTS:
+            run = next(r for r in results if r.mode == mode and r.rate == slowest.rate and r.variant == variant)
+            ax.plot([t for t, _ in run.losses], [loss for _, loss in run.losses], marker=".", label=variant)
+        ax.set_xlabel("seconds of training")
+        ax.set_ylabel("loss")
+        ax.set_title(f"{mode}: loss vs wall-clock at {slowest.rate} Mbit/s")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", nargs="+", default=["50", "200", "1000", "unshaped"], help="link rates in Mbit/s, or 'unshaped'")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on each end (ms)")
+    args = parser.parse_args()
+    missing = missing_requirements()
+    if missing:
+        print("shaped_link.py cannot run here; it needs:\n  - " + "\n  - ".join(missing), file=sys.stderr)
+        return 2
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory() as tmp, ShapedLink() as link:
+        workdir = Path(tmp)
+        compute_s = compute_only(args.steps, workdir)
+        print(f"compute alone: {compute_s:.2f} s/step", flush=True)
+        port = 29700
+        for rate in args.rates:
+            link.shape(None if rate == "unshaped" else float(rate), args.delay_ms)
+            for mode in args.modes:
+                for variant in args.variants:
+                    port += 1
+                    started = time.time()
+                    step_s, spread, curve, per_step, _ = run_pair(link, mode, variant, args.steps, workdir, port)
+                    tokens = 2 * 2 * 256  # 2 ranks x local batch 2 x 256 tokens (examples/llama3_debug_cpu.toml)
+                    results.append(Result(mode, variant, rate, step_s, spread, tokens / step_s, per_step, curve))
+                    print(f"  {mode:9s} {rate:>8s} {variant:5s}: {step_s:.2f} s/step, {tokens / step_s:.0f} tokens/s, "
+                          f"{per_step / 2**20:.1f} MiB/step/direction ({time.time() - started:.0f} s)", flush=True)
+    text = report(results, compute_s, 2 * 2 * 256, RESULTS)
+    print("\n" + text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "shaped_link.md").write_text("# Training over a shaped link (`sudo python benchmarks/shaped_link.py`)\n\n" + text + "\n")
+    plot(results, RESULTS / "shaped_link.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
