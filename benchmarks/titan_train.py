@@ -1,21 +1,27 @@
-"""torchtitan Llama-3 debug model on 2 CPU ranks: FP32 vs bf16 vs Euclidean FP8 vs GIFT gradients.
+"""torchtitan Llama-3 debug model on 2 CPU ranks: FP32 vs bf16 vs Euclidean FP8 vs GIFT gradients,
+on both trainers.
 
-    python benchmarks/titan_train.py [--steps 300] [--variants fp32,bf16,fp8,gift]
+    python benchmarks/titan_train.py [--steps 300] [--variants fp32,bf16,fp8,gift] [--trainers graph,standard]
 
-Each variant is the same gift-titan job (examples/llama3_debug_cpu.toml, graph_trainer +
-SimpleFSDP, seed 0) trained on WikiText-2 test.txt and validated on valid.txt
-(../shared/data), differing only in how gradients travel:
+Each row is the same gift-titan job (examples/llama3_debug_cpu.toml, seed 0) trained on
+WikiText-2 test.txt and validated on valid.txt (../shared/data), on one of two trainers:
+
+- graph:    torchtitan's graph_trainer (SimpleFSDP, joint graph, the ``gift`` pass pipeline)
+- standard: torchtitan's standard trainer (FSDP2 fully_shard per block; GIFT owns each block's
+            reduce-scatter, gift_compile.fsdp)
+
+and differing only in how gradients travel:
 
 - fp32:  [gift] enabled with every path fp32 (the pass changes nothing, it only counts bytes)
 - bf16:  every weight gradient reduced in bf16
 - fp8:   Euclidean FP8 (per-tensor scale) for every weight gradient, no whitening
-- gift:  GIFT with the defaults: attention projections (`wqkv`, `wo`) whitened (rank 32,
-         refresh every 10 steps), the rest Euclidean FP8
+- gift:  GIFT with the defaults: attention projections whitened (current-step factors, rank
+         32, error feedback), the rest Euclidean FP8
 - gift_w2: GIFT with the paper's choice, the `w2` layers whitened
 
 Prints a table (final train loss = mean of the last 10 steps, validation loss / perplexity at
-the end, tokens/s, gradient bytes per step per rank, peak RSS of rank 0) and writes
-benchmarks/results/titan_train.md and benchmarks/results/titan_loss.png.
+the end, tokens/s, gradient bytes per step per rank and the statistics' bytes, peak RSS of
+rank 0) and writes benchmarks/results/titan_train.md and benchmarks/results/titan_loss.png.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ VARIANTS = {
     "gift": ["--gift.layers", "wqkv,wo"],
     "gift_w2": ["--gift.layers", "w2"],
 }
+TRAINERS = {"graph": "llama3_debug", "standard": "llama3_debug_standard"}
 
 
 def common_flags(steps: int, val_steps: int) -> list[str]:
@@ -68,8 +75,9 @@ def summarize(name: str, run: JobResult, tokens_per_step: int) -> list:
     val = run.last("validation_loss")
     fp32_bytes = run.last("gift/bytes_per_step_fp32")
     sent = run.last("gift/bytes_per_step")
+    stats = run.last("gift/stats_bytes_per_step") or 0.0
     return [
-        name,
+        *name,
         len(losses),
         f"{statistics.fmean(losses[-10:]):.4f}",
         None if val is None else f"{val:.4f}",
@@ -77,6 +85,7 @@ def summarize(name: str, run: JobResult, tokens_per_step: int) -> list:
         f"{tokens_per_second(run, tokens_per_step):.0f}",
         f"{sent / 2**20:.3f}",
         f"{sent / fp32_bytes:.3f}",
+        f"{stats / 2**20:.3f}",
         f"{run.last('max_rss_mib'):.0f}",
     ]
 
@@ -86,25 +95,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--val-steps", type=int, default=20)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--out", default=str(ROOT / "outputs" / "titan_bench"))
     args = parser.parse_args()
     if not (DATA / "wikitext-2" / "test.txt").is_file():
         sys.exit(f"needs WikiText-2 and the tokenizer under {DATA}")
     tokens_per_step = 2 * 2 * 256  # ranks x local batch x seq_len (the job's defaults)
     rows, curves = [], {}
-    for name in args.variants.split(","):
-        print(f"== {name}: {args.steps} steps", flush=True)
-        run = run_job(JOB, Path(args.out) / name, *common_flags(args.steps, args.val_steps), *VARIANTS[name]).check()
-        rows.append(summarize(name, run, tokens_per_step))
-        curves[name] = run.series("loss")
-        print(f"   {run.wall_s:.0f} s", flush=True)
-    headers = ["gradients", "steps", "train loss (last 10)", "val loss", "val ppl", "tokens/s",
-               "grad MiB/step/rank", "bytes vs fp32", "peak RSS MiB (rank 0)"]
+    for trainer in args.trainers.split(","):
+        for name in args.variants.split(","):
+            print(f"== {trainer} / {name}: {args.steps} steps", flush=True)
+            flags = ["--launch.config", TRAINERS[trainer], *common_flags(args.steps, args.val_steps), *VARIANTS[name]]
+            run = run_job(JOB, Path(args.out) / f"{trainer}-{name}", *flags).check()
+            rows.append(summarize((trainer, name), run, tokens_per_step))
+            curves[f"{trainer}/{name}"] = run.series("loss")
+            print(f"   {run.wall_s:.0f} s", flush=True)
+    headers = ["trainer", "gradients", "steps", "train loss (last 10)", "val loss", "val ppl", "tokens/s",
+               "grad MiB/step/rank", "bytes vs fp32", "statistics MiB/step/rank", "peak RSS MiB (rank 0)"]
     table = tabulate(rows, headers=headers)
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    note = (f"Llama-3 debug model (6.2M), torchtitan 0.3.0 graph_trainer + SimpleFSDP, 2 CPU ranks (gloo), "
-            f"WikiText-2, {args.steps} steps, batch 2x256 tokens per rank, seed 0.\n\n")
+    note = (f"Llama-3 debug model (6.2M), torchtitan 0.3.0, graph_trainer (SimpleFSDP) and the standard trainer "
+            f"(FSDP2), 2 CPU ranks (gloo), WikiText-2, {args.steps} steps, batch 2x256 tokens per rank, seed 0.\n\n")
     (RESULTS / "titan_train.md").write_text(note + tabulate(rows, headers=headers, tablefmt="github") + "\n")
     import matplotlib
 

@@ -39,7 +39,6 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.comm import euclidean_reduce
-from gift_compile.config import GiftConfig
 from gift_compile.layer_step import EagerAccess, LayerPlan, issue_statistics, reduce_layer
 from gift_compile.runtime import GiftRuntime, get_runtime
 

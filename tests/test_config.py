@@ -71,3 +71,12 @@ def test_from_toml_reads_the_gift_table_and_the_deprecated_rank_key(tmp_path):
         assert GiftConfig.from_toml(path, table="missing") == GiftConfig()
     with pytest.raises(ValueError, match="give 'low_rank' only"):
         GiftConfig.from_dict({"rank": 8, "low_rank": 8})
+
+
+def test_the_readme_documents_every_config_key():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    for name in GiftConfig.field_names():
+        assert f"| `{name}` |" in table, name

@@ -132,10 +132,12 @@ def test_untouched_when_euclidean_is_fp32_and_nothing_selected():
 
 
 def test_pattern_matching_nothing_lists_the_linear_layers():
+    # Checked when the first backward compiles (every forward graph of the step has been seen).
     backend = gift_backend(GiftConfig(layers=("w9",)), name="bad_patterns")
     compiled = torch.compile(replicate(MLP()), backend=backend)
+    loss = compiled(torch.randn(4, 16)).sum()
     with pytest.raises(Exception, match=r"\['w9'\] match no Linear layer.*\['fc1', 'fc2'\]"):
-        compiled(torch.randn(4, 16))
+        loss.backward()
 
 
 def test_graph_without_collectives_warns_once_and_trains_correctly(caplog):

@@ -155,13 +155,13 @@ def falling_back(rank, world):
     config = GiftConfig(layers=("fc",), low_rank=8, factor_source="periodic", refresh_interval=1000, damping=1e-3,
                         meter_interval=1, fallback_patience=2, fallback_retry=3)
     reducer = GiftReducer(config)
-    paths, outputs, euclid = [], [], []
+    paths = []
     for step in range(9):
         grad, x = layer_inputs(rank, step)
         if step:
             x = x.flip(1)  # the energy moves to the inputs that had none
             grad = torch.randn(D_OUT, TOKENS, generator=torch.Generator().manual_seed(step)) @ x
-        outputs.append(reducer.reduce_layer("fc", grad, x, collective="reduce_scatter"))
+        reducer.reduce_layer("fc", grad, x, collective="reduce_scatter")
         counters = reducer.runtime.counters["fc"].as_dict()
         paths.append((counters["error_vs_fp8"], counters["fallback_until"], counters["fallbacks"]))
     return paths

@@ -8,14 +8,20 @@ passes graph_trainer applies, and what each one changes in the graph (its own
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torchtitan")
+pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
 from gift_compile.testing.titan_jobs import run_job  # noqa: E402
 
@@ -82,3 +88,25 @@ def test_one_rank_runs_and_equals_the_plain_run(tmp_path):
     plain = run_job(JOB, tmp_path / "plain", *common, "--gift.no-enabled").check()
     assert gift.losses() == plain.losses() and len(gift.losses()) == 2
     assert gift.log.count("one rank has nothing to communicate") == 1
+
+
+def test_a_killed_rank_ends_the_job_in_seconds(tmp_path):
+    # A rank that dies must not leave its peer waiting in a collective until a 10-minute timeout.
+    command = [sys.executable, "-m", "gift_compile.titan_integration.launcher", str(JOB), "--dump_folder", str(tmp_path / "run"),
+               "--training.steps", "200", "--metrics.log_freq", "1"]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "run" / "gift_metrics.jsonl"
+        deadline = time.time() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+            time.sleep(1)
+        assert metrics.exists(), "the job did not start training"
+        ranks = subprocess.run(["pgrep", "-f", "gift_compile.titan_integration.entry"], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 2, ranks
+        killed_at = time.time()
+        subprocess.run(["kill", "-9", ranks[-1]], check=True)
+        log = job.communicate(timeout=120)[0]
+        assert job.returncode != 0 and time.time() - killed_at < 60, log[-2000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torchtitan")
+pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
 from gift_compile.testing.ranks import free_port  # noqa: E402
 from gift_compile.testing.titan_jobs import read_records, resume, run_job, write_job  # noqa: E402

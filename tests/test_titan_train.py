@@ -13,6 +13,7 @@ import shutil
 import pytest
 
 pytest.importorskip("torchtitan")
+pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
 from gift_compile.testing.titan_jobs import resume, run_job, write_job  # noqa: E402
 
