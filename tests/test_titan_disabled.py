@@ -90,23 +90,37 @@ def test_one_rank_runs_and_equals_the_plain_run(tmp_path):
     assert gift.log.count("one rank has nothing to communicate") == 1
 
 
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def descendants(pid: int) -> list[int]:
+    return [d for c in children(pid) for d in (c, *descendants(c))]
+
+
 def test_a_killed_rank_ends_the_job_in_seconds(tmp_path):
     # A rank that dies must not leave its peer waiting in a collective until a 10-minute timeout.
     command = [sys.executable, "-m", "gift_compile.titan_integration.launcher", str(JOB), "--dump_folder", str(tmp_path / "run"),
                "--training.steps", "200", "--metrics.log_freq", "1"]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = tmp_path / "run" / "gift_metrics.jsonl"
         deadline = time.time() + 300
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
             time.sleep(1)
         assert metrics.exists(), "the job did not start training"
-        ranks = subprocess.run(["pgrep", "-f", "gift_compile.titan_integration.entry"], capture_output=True, text=True).stdout.split()
+        (torchrun,) = children(job.pid)
+        ranks = children(torchrun)
         assert len(ranks) == 2, ranks
         killed_at = time.time()
-        subprocess.run(["kill", "-9", ranks[-1]], check=True)
+        os.kill(ranks[-1], signal.SIGKILL)
         log = job.communicate(timeout=120)[0]
         assert job.returncode != 0 and time.time() - killed_at < 60, log[-2000:]
+        assert not descendants(job.pid)
     finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+        for pid in [*descendants(job.pid), job.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
