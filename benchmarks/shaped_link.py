@@ -204,10 +204,14 @@ def compute_only(steps: int, workdir: Path) -> float:
     return timing(records(dump), warmup=2)[0]
 
 
+def find(results: list[Result], mode: str, rate: str, variant: str) -> Result | None:
+    return next((r for r in results if (r.mode, r.rate, r.variant) == (mode, rate, variant)), None)
+
+
 def crossover(results: list[Result], mode: str, variant: str) -> str:
     """The highest rate at which ``variant`` beats fp32 in tokens/s."""
     wins = [r.rate for r in results if r.mode == mode and r.variant == variant and r.rate != "unshaped"
-            and r.tokens_s > next(f.tokens_s for f in results if f.mode == mode and f.variant == "fp32" and f.rate == r.rate)]
+            and (fp32 := find(results, mode, r.rate, "fp32")) is not None and r.tokens_s > fp32.tokens_s]
     return max(wins, key=float) + " Mbit/s" if wins else "none of the rates measured"
 
 
@@ -216,7 +220,7 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int, out: P
 
     rows = []
     for r in results:
-        fp32 = next(f for f in results if f.mode == r.mode and f.rate == r.rate and f.variant == "fp32")
+        fp32 = find(results, r.mode, r.rate, "fp32") or r
         rows.append([r.mode, r.rate, r.variant, f"{r.step_s:.2f} ± {r.step_spread:.2f}", f"{r.tokens_s:.0f}",
                      f"{r.tokens_s / fp32.tokens_s:.2f}x", f"{max(0.0, 1 - compute_s / r.step_s):.0%}", f"{r.bytes_per_step / 2**20:.1f}",
                      f"{r.bytes_per_step / fp32.bytes_per_step:.2f}"])
@@ -227,10 +231,11 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int, out: P
     for mode in sorted({r.mode for r in results}):
         lines.append(f"**{mode}**: FP8 beats fp32 up to {crossover(results, mode, 'fp8')}; GIFT up to {crossover(results, mode, 'gift')}.")
         for rate in dict.fromkeys(r.rate for r in results if r.mode == mode):
-            fp8 = next(r for r in results if r.mode == mode and r.rate == rate and r.variant == "fp8")
-            gift = next(r for r in results if r.mode == mode and r.rate == rate and r.variant == "gift")
-            lines.append(f"- {rate} Mbit/s: GIFT's step time {gift.step_s / fp8.step_s - 1:+.0%} over FP8")
-        budget = min(r.losses[-1][0] for r in results if r.mode == mode and r.variant == "gift")
+            fp8, gift = find(results, mode, rate, "fp8"), find(results, mode, rate, "gift")
+            if fp8 and gift:
+                lines.append(f"- {rate} Mbit/s: GIFT's step time {gift.step_s / fp8.step_s - 1:+.0%} over FP8")
+        timed = [r for r in results if r.mode == mode and r.variant == "gift"] or [r for r in results if r.mode == mode]
+        budget = min(r.losses[-1][0] for r in timed)
         loss_at = {r.variant + " @ " + r.rate: _loss_at(r.losses, budget) for r in results if r.mode == mode}
         lines.append(f"- loss after {budget:.0f} s of training (GIFT's time for its steps at each rate): "
                      + ", ".join(f"{k} {v:.3f}" for k, v in loss_at.items()))
@@ -263,9 +268,12 @@ def plot(results: list[Result], out: Path) -> None:
         ax.set_title(f"{mode}: throughput")
         ax.legend()
         ax = axes[1][col]
-        slowest = min((r for r in results if r.mode == mode and r.rate != "unshaped"), key=lambda r: float(r.rate))
+        shaped = [r for r in results if r.mode == mode and r.rate != "unshaped"] or [r for r in results if r.mode == mode]
+        slowest = min(shaped, key=lambda r: float(r.rate) if r.rate != "unshaped" else float("inf"))
         for variant in VARIANTS:
-            run = next(r for r in results if r.mode == mode and r.rate == slowest.rate and r.variant == variant)
+            run = find(results, mode, slowest.rate, variant)
+            if run is None:
+                continue
             ax.plot([t for t, _ in run.losses], [loss for _, loss in run.losses], marker=".", label=variant)
         ax.set_xlabel("seconds of training")
         ax.set_ylabel("loss")

@@ -60,7 +60,7 @@ class LayerPlan:
         return self.whitened and self.config.factor_source == "current_step"
 
     @property
-    def rank(self) -> int:
+    def low_rank(self) -> int:
         return self.config.factor_rank(self.d_in)
 
     @property
@@ -81,7 +81,7 @@ class LayerPlan:
 
     @property
     def stats_bytes(self) -> int:
-        return all_reduce_bytes(sketch_numel(self.d_in, self.rank), self.world) if self.current_step else 0
+        return all_reduce_bytes(sketch_numel(self.d_in, self.low_rank), self.world) if self.current_step else 0
 
 
 class StateAccess(Protocol):

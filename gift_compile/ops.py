@@ -8,8 +8,8 @@ call. :class:`OpsAccess` is the ``layer_step.StateAccess`` that emits them::
 
     token = gift::begin_step(ns, fqn, group, d_out, d_in, whitened, layer_input)
             create/place the layer state, refresh periodic factors when due; 1.0 (whiten) or 0.0 (fallback)
-    Q     = gift::load_basis(ns, fqn, d_in, rank, token)          copy of the subspace basis
-    T...  = gift::load_factors(ns, fqn, d_in, rank, token)        copies of the periodic factors
+    Q     = gift::load_basis(ns, fqn, d_in, low_rank, token)      copy of the subspace basis
+    T...  = gift::load_factors(ns, fqn, d_in, low_rank, token)    copies of the periodic factors
     R     = gift::load_residual(ns, fqn, d_out, d_in, token)      the residual itself
     R2    = gift::load_gather_residual(ns, fqn, rows, cols, token)
     gift::meter(ns, fqn, grad, token)                             a shadow FP8 round trip on meter steps
@@ -56,24 +56,24 @@ def _(namespace, fqn, group_name, d_out, d_in, whitened, layer_input):
 
 
 @torch.library.custom_op("gift::load_basis", mutates_args=(), tags=_RUNS_PYTHON)
-def load_basis(namespace: str, fqn: str, d_in: int, rank: int, token: torch.Tensor) -> torch.Tensor:
+def load_basis(namespace: str, fqn: str, d_in: int, low_rank: int, token: torch.Tensor) -> torch.Tensor:
     return get_runtime(namespace).layer(fqn).basis.clone(memory_format=torch.contiguous_format)  # d_in x rank: small, and end_step overwrites the state
 
 
 @load_basis.register_fake
-def _(namespace, fqn, d_in, rank, token):
-    return token.new_empty((d_in, rank))
+def _(namespace, fqn, d_in, low_rank, token):
+    return token.new_empty((d_in, low_rank))
 
 
 @torch.library.custom_op("gift::load_factors", mutates_args=(), tags=_RUNS_PYTHON)
-def load_factors(namespace: str, fqn: str, d_in: int, rank: int, token: torch.Tensor) -> list[torch.Tensor]:
+def load_factors(namespace: str, fqn: str, d_in: int, low_rank: int, token: torch.Tensor) -> list[torch.Tensor]:
     return [t.clone(memory_format=torch.contiguous_format) for t in get_runtime(namespace).layer(fqn).factor_tensors()]
 
 
 @load_factors.register_fake
-def _(namespace, fqn, d_in, rank, token):
+def _(namespace, fqn, d_in, low_rank, token):
     layout = get_runtime(namespace).config.whitening_layout
-    return [token.new_empty(shape) for shape in factor_shapes(layout, d_in, rank)]
+    return [token.new_empty(shape) for shape in factor_shapes(layout, d_in, low_rank)]
 
 
 @torch.library.custom_op("gift::load_residual", mutates_args=(), tags=_RUNS_PYTHON)
@@ -157,10 +157,10 @@ class OpsAccess:
         return torch.ops.gift.begin_step(self.namespace, plan.fqn, plan.group_name, plan.d_out, plan.d_in, plan.whitened, layer_input)
 
     def basis(self, plan, token):
-        return torch.ops.gift.load_basis(self.namespace, plan.fqn, plan.d_in, plan.rank, token)
+        return torch.ops.gift.load_basis(self.namespace, plan.fqn, plan.d_in, plan.low_rank, token)
 
     def factors(self, plan, token):
-        return torch.ops.gift.load_factors(self.namespace, plan.fqn, plan.d_in, plan.rank, token)
+        return torch.ops.gift.load_factors(self.namespace, plan.fqn, plan.d_in, plan.low_rank, token)
 
     def residual(self, plan, token):
         return torch.ops.gift.load_residual(self.namespace, plan.fqn, plan.d_out, plan.d_in, token)

@@ -51,12 +51,13 @@ class GiftLayerState(nn.Module):
         super().__init__()
         self.fqn, self.d_out, self.d_in, self.config, self.whitened = fqn, d_out, d_in, config, whitened
         self.device = torch.device("cpu") if device is None else device
-        self.rank = config.factor_rank(d_in)
-        if whitened and config.factor_source == "current_step":
-            self.register_buffer("basis", initial_basis(d_in, self.rank).to(self.device))
+        self.low_rank = config.factor_rank(d_in)
+        self.current_step = whitened and config.factor_source == "current_step"
+        if self.current_step:
+            self.register_buffer("basis", initial_basis(d_in, self.low_rank).to(self.device))
         elif whitened:
             self.register_buffer("moment", torch.zeros(d_in, d_in, device=self.device))
-            for name, tensor in identity_whitening(config.whitening_layout, d_in, self.rank).tensors.items():
+            for name, tensor in identity_whitening(config.whitening_layout, d_in, self.low_rank).tensors.items():
                 self.register_buffer(f"factor_{name}", tensor.to(self.device))
         keeps_residual = config.error_feedback if whitened else config.euclidean_error_feedback
         self.register_buffer("residual", torch.zeros(d_out, d_in, device=self.device) if keeps_residual else None)
@@ -98,6 +99,12 @@ class GiftLayerState(nn.Module):
     def factor_tensors(self) -> list[torch.Tensor]:
         return list(self.whitening().tensors.values())
 
+    def geometry_tensors(self) -> list[torch.Tensor]:
+        """What a whitened layer's ``T`` is built from: its basis (current step) or its factors."""
+        if not self.whitened:
+            return []
+        return [self.basis] if self.current_step else self.factor_tensors()
+
     def whitening_on(self) -> bool:
         """False while the layer is on its Euclidean fallback (a host-side check, no sync)."""
         return self.whitened and int(self.step) >= int(self.fallback_until)
@@ -120,7 +127,7 @@ class GiftLayerState(nn.Module):
         if not self._shape_checked:
             self._check_same_shape(resolve_group(group))
             self._shape_checked = True
-        if self.whitened and self.config.factor_source == "periodic" and int(self.step) % self.config.refresh_interval == 0:
+        if self.whitened and not self.current_step and int(self.step) % self.config.refresh_interval == 0:
             self.refresh(layer_input, group)
         return self.whitening_on()
 
@@ -200,7 +207,7 @@ class GiftLayerState(nn.Module):
             return
         decay = self.config.ema_decay if int(self.refreshes) > 0 else 0.0
         self.moment.mul_(decay).add_(mean, alpha=1.0 - decay)
-        low_rank = None if self.config.whitening_layout == "dense" and self.config.low_rank is None else self.rank
+        low_rank = None if self.config.whitening_layout == "dense" and self.config.low_rank is None else self.low_rank
         new = factorize(self.moment, factorization=self.config.factorization, rank=low_rank,
                         damping=self.config.damping, seed=int(self.refreshes))
         src = dist.get_global_rank(group, 0)
@@ -272,7 +279,6 @@ class GiftState(nn.Module):
         """A float64 fingerprint of every basis and factor (tests compare it across ranks)."""
         total = torch.zeros((), dtype=torch.float64)
         for layer in self.layers.values():
-            tensors = [layer.basis] if hasattr(layer, "basis") and layer.basis is not None else (layer.factor_tensors() if layer.whitened else [])
-            for i, t in enumerate(tensors):
+            for i, t in enumerate(layer.geometry_tensors()):
                 total += (t.detach().double().cpu().reshape(-1) * torch.arange(1, t.numel() + 1, dtype=torch.float64).cos()).sum() * math.sqrt(i + 1)
         return total
