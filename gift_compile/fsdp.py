@@ -218,7 +218,8 @@ torch.fx.node.has_side_effect(torch.ops.gift.record_input.default)
 
 def _input_hook(namespace: str, fqn: str):
     def hook(module, args, output):
-        torch.ops.gift.record_input(namespace, fqn, args[0].detach().reshape(-1, args[0].shape[-1]))
+        if torch.is_grad_enabled():  # an evaluation forward sends no gradient: no statistics either
+            torch.ops.gift.record_input(namespace, fqn, args[0].detach().reshape(-1, args[0].shape[-1]))
 
     return hook
 

@@ -57,6 +57,8 @@ def fsdp_steps(rank, world, reduce_dtype, steps=4):
     worst = {}
     for step in range(steps):
         tokens = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
+        with torch.no_grad():  # an evaluation forward in between must not feed the statistics
+            model(tokens.flip(0))
         model(tokens).backward()
         replica(tokens).backward()
         for name, param in model.named_parameters():
