@@ -22,12 +22,14 @@ is missing. The namespaces it creates are always removed, also on Ctrl-C or a cr
 
     sudo python benchmarks/shaped_link.py                      # 50, 200, 1000 Mbit/s and unshaped
     sudo python benchmarks/shaped_link.py --rates 100 --modes replicate --steps 8
+    python benchmarks/shaped_link.py --render benchmarks/results/shaped_link.json    # the table again
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -156,7 +158,7 @@ class Result:
     step_spread: float
     tokens_s: float
     bytes_per_step: float
-    losses: list[tuple[float, float]]  # (seconds since the first step ended, loss)
+    losses: list[list[float]]  # [seconds since the first timed step, loss]
 
 
 def launcher(job: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
@@ -174,7 +176,7 @@ def timing(recs: list[dict], warmup: int) -> tuple[float, float, list[tuple[floa
     times = [r["time"] for r in steps]
     durations = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
     spread = (max(durations) - min(durations)) / 2 if durations else float("nan")
-    curve = [(r["time"] - times[warmup], r["loss"]) for r in steps[warmup:]]
+    curve = [[r["time"] - times[warmup], r["loss"]] for r in steps[warmup:]]
     return statistics.median(durations), spread, curve
 
 
@@ -215,30 +217,35 @@ def crossover(results: list[Result], mode: str, variant: str) -> str:
     return max(wins, key=float) + " Mbit/s" if wins else "none of the rates measured"
 
 
-def report(results: list[Result], compute_s: float, tokens_per_step: int, out: Path) -> str:
+def rate_label(rate: str) -> str:
+    return "unshaped" if rate == "unshaped" else f"{rate} Mbit/s"
+
+
+def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str:
     from tabulate import tabulate
 
     rows = []
     for r in results:
         fp32 = find(results, r.mode, r.rate, "fp32") or r
-        rows.append([r.mode, r.rate, r.variant, f"{r.step_s:.2f} ± {r.step_spread:.2f}", f"{r.tokens_s:.0f}",
-                     f"{r.tokens_s / fp32.tokens_s:.2f}x", f"{max(0.0, 1 - compute_s / r.step_s):.0%}", f"{r.bytes_per_step / 2**20:.1f}",
-                     f"{r.bytes_per_step / fp32.bytes_per_step:.2f}"])
-    headers = ["mode", "link (Mbit/s)", "gradients", "step s (median ± half range)", "tokens/s", "vs fp32", "beyond compute",
-               "MiB/step/direction", "bytes vs fp32"]
+        # What the bytes alone predict: the compute stays, the rest scales with the bytes carried.
+        predicted = fp32.step_s / (compute_s + (fp32.step_s - compute_s) * r.bytes_per_step / fp32.bytes_per_step)
+        rows.append([r.mode, rate_label(r.rate), r.variant, f"{r.step_s:.2f} ± {r.step_spread:.2f}", f"{r.tokens_s:.0f}",
+                     f"{r.tokens_s / fp32.tokens_s:.2f}x", f"{predicted:.2f}x", f"{max(0.0, 1 - compute_s / r.step_s):.0%}",
+                     f"{r.bytes_per_step / 2**20:.1f}", f"{r.bytes_per_step / fp32.bytes_per_step:.2f}"])
+    headers = ["mode", "link", "gradients", "step s (median ± half range)", "tokens/s", "vs fp32", "vs fp32 predicted by bytes",
+               "beyond compute", "MiB/step/direction", "bytes vs fp32"]
     lines = [tabulate(rows, headers=headers, tablefmt="github"), "",
-             f"Compute alone (1 rank, same per-rank batch): {compute_s:.2f} s/step; {tokens_per_step} tokens per step in all.", ""]
+             f"Compute alone (1 rank, same per-rank batch): {compute_s:.2f} s/step; {tokens_per_step} tokens per step in all. "
+             "'Beyond compute' is the share of the step not explained by that compute (communication, codec, waiting).", ""]
     for mode in sorted({r.mode for r in results}):
         lines.append(f"**{mode}**: FP8 beats fp32 up to {crossover(results, mode, 'fp8')}; GIFT up to {crossover(results, mode, 'gift')}.")
         for rate in dict.fromkeys(r.rate for r in results if r.mode == mode):
+            at_rate = [r for r in results if r.mode == mode and r.rate == rate]
             fp8, gift = find(results, mode, rate, "fp8"), find(results, mode, rate, "gift")
-            if fp8 and gift:
-                lines.append(f"- {rate} Mbit/s: GIFT's step time {gift.step_s / fp8.step_s - 1:+.0%} over FP8")
-        timed = [r for r in results if r.mode == mode and r.variant == "gift"] or [r for r in results if r.mode == mode]
-        budget = min(r.losses[-1][0] for r in timed)
-        loss_at = {r.variant + " @ " + r.rate: _loss_at(r.losses, budget) for r in results if r.mode == mode}
-        lines.append(f"- loss after {budget:.0f} s of training (GIFT's time for its steps at each rate): "
-                     + ", ".join(f"{k} {v:.3f}" for k, v in loss_at.items()))
+            budget = (gift or at_rate[0]).losses[-1][0]
+            losses = ", ".join(f"{r.variant} {_loss_at(r.losses, budget):.3f}" for r in at_rate)
+            overhead = f"GIFT's step {gift.step_s / fp8.step_s - 1:+.0%} over FP8; " if fp8 and gift else ""
+            lines.append(f"- {rate_label(rate)}: {overhead}loss after {budget:.1f} s of training (GIFT's time for its steps): {losses}")
         lines.append("")
     return "\n".join(lines)
 
@@ -291,7 +298,11 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on each end (ms)")
+    parser.add_argument("--render", type=Path, help="re-render the table and plots from a saved shaped_link.json")
     args = parser.parse_args()
+    if args.render:
+        render(json.loads(args.render.read_text()))
+        return 0
     missing = missing_requirements()
     if missing:
         print("shaped_link.py cannot run here; it needs:\n  - " + "\n  - ".join(missing), file=sys.stderr)
@@ -313,12 +324,19 @@ def main() -> int:
                     results.append(Result(mode, variant, rate, step_s, spread, tokens / step_s, per_step, curve))
                     print(f"  {mode:9s} {rate:>8s} {variant:5s}: {step_s:.2f} s/step, {tokens / step_s:.0f} tokens/s, "
                           f"{per_step / 2**20:.1f} MiB/step/direction ({time.time() - started:.0f} s)", flush=True)
-    text = report(results, compute_s, 2 * 2 * 256, RESULTS)
-    print("\n" + text)
     RESULTS.mkdir(parents=True, exist_ok=True)
+    raw = {"compute_s": compute_s, "results": [dataclasses.asdict(r) for r in results]}
+    (RESULTS / "shaped_link.json").write_text(json.dumps(raw))
+    render(raw)
+    return 0
+
+
+def render(raw: dict) -> None:
+    results = [Result(**r) for r in raw["results"]]
+    text = report(results, raw["compute_s"], 2 * 2 * 256)
+    print("\n" + text)
     (RESULTS / "shaped_link.md").write_text("# Training over a shaped link (`sudo python benchmarks/shaped_link.py`)\n\n" + text + "\n")
     plot(results, RESULTS / "shaped_link.png")
-    return 0
 
 
 if __name__ == "__main__":

@@ -88,7 +88,9 @@ class GiftReference(GiftReducer):
                 continue
             fqn = linear_weights.get(name)
             if fqn is not None and (fqn in self.selected or self.stateful_euclidean):
-                layer_input = self._inputs.pop(fqn).reshape(-1, param.grad.shape[1])
+                if fqn not in self._inputs:
+                    raise RuntimeError(f"GiftReference: no forward input recorded for layer {fqn!r}; run the model's forward first")
+                layer_input = self._inputs[fqn].reshape(-1, param.grad.shape[1])  # the latest forward's
                 param.grad = self.reduce_layer(fqn, param.grad, layer_input, op=op, whitened=fqn in self.selected)
                 continue
             wire = euclidean if fqn is not None else _FP32

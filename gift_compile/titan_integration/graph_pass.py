@@ -174,11 +174,19 @@ def gift_pass_pipeline(traced_result, config, *, parallel_dims=None) -> list:
     return [functools.partial(gift_joint_graph_pass, namespace=NAMESPACE), *passes]
 
 
+def before_train_step(trainer) -> None:
+    """graph_trainer's pre-step hook for the ``gift`` pipeline: the session's ``auto`` switch."""
+    session = getattr(trainer, "gift_session", None)
+    if session is not None:
+        session.before_step(trainer.step)
+
+
 def register_pipeline() -> None:
-    """Register :func:`gift_pass_pipeline` under ``"gift"`` (idempotent)."""
-    from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline
+    """Register :func:`gift_pass_pipeline` and its pre-step hook under ``"gift"`` (idempotent)."""
+    from torchtitan.experiments.graph_trainer.registry import register_pass_pipeline, register_pre_train_step_hook
 
     register_pass_pipeline(PIPELINE_NAME)(gift_pass_pipeline)
+    register_pre_train_step_hook(PIPELINE_NAME)(before_train_step)
 
 
-__all__ = ["INCOMPATIBLE_PASSES", "NAMESPACE", "PIPELINE_NAME", "GraphAccounting", "disable_incompatible_passes", "PassContext", "gift_joint_graph_pass", "gift_pass_pipeline", "register_pipeline"]
+__all__ = ["INCOMPATIBLE_PASSES", "NAMESPACE", "PIPELINE_NAME", "GraphAccounting", "disable_incompatible_passes", "PassContext", "before_train_step", "gift_joint_graph_pass", "gift_pass_pipeline", "register_pipeline"]

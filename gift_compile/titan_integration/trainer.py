@@ -45,16 +45,10 @@ def _wrap_loss_recording(trainer) -> None:
         processor.log_validation = log_validation
 
 
-class _GiftSteps:
-    """What both trainers add around torchtitan's step: the ``layers = "auto"`` switch before a
-    step, the counters at the end."""
+class _GiftCounters:
+    """Both trainers write GIFT's per-layer counters when they close."""
 
     gift_session: GiftSession | None
-
-    def train_step(self, data_iterator):
-        if self.gift_session is not None:
-            self.gift_session.before_step(self.step)
-        super().train_step(data_iterator)
 
     def close(self) -> None:
         if self.gift_session is not None:
@@ -65,7 +59,10 @@ class _GiftSteps:
         super().close()
 
 
-class GiftGraphTrainer(_GiftSteps, GraphTrainer):
+class GiftGraphTrainer(_GiftCounters, GraphTrainer):
+    """The ``layers = "auto"`` switch runs from graph_trainer's pre-step hook of the ``gift``
+    pipeline (``graph_pass.before_train_step``)."""
+
     @dataclass(kw_only=True, slots=True)
     class Config(GraphTrainer.Config):
         gift: GiftSection = field(default_factory=GiftSection)
@@ -78,7 +75,7 @@ class GiftGraphTrainer(_GiftSteps, GraphTrainer):
             _wrap_loss_recording(self)
 
 
-class GiftTrainer(_GiftSteps, Trainer):
+class GiftTrainer(_GiftCounters, Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         gift: GiftSection = field(default_factory=GiftSection)
@@ -89,6 +86,12 @@ class GiftTrainer(_GiftSteps, Trainer):
         self.gift_session = GiftSession(self, config.gift, route="fsdp2") if config.gift.enabled else None
         if self.gift_session is None:
             _wrap_loss_recording(self)
+
+    def train_step(self, data_iterator):
+        # The standard trainer has no pre-step hook: the ``layers = "auto"`` switch goes here.
+        if self.gift_session is not None:
+            self.gift_session.before_step(self.step)
+        super().train_step(data_iterator)
 
 
 __all__ = ["GiftGraphTrainer", "GiftTrainer"]
