@@ -244,7 +244,8 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
             fp8, gift = find(results, mode, rate, "fp8"), find(results, mode, rate, "gift")
             budget = (gift or at_rate[0]).losses[-1][0]
             losses = ", ".join(f"{r.variant} {_loss_at(r.losses, budget):.3f}" for r in at_rate)
-            overhead = f"GIFT's step {gift.step_s / fp8.step_s - 1:+.0%} over FP8; " if fp8 and gift else ""
+            overhead = (f"GIFT's step {gift.step_s / fp8.step_s - 1:+.0%} over FP8 ({gift.step_s - fp8.step_s:+.2f} s, "
+                        f"{gift.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); ") if fp8 and gift else ""
             lines.append(f"- {rate_label(rate)}: {overhead}loss after {budget:.1f} s of training (GIFT's time for its steps): {losses}")
         lines.append("")
     return "\n".join(lines)
