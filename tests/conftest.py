@@ -1,5 +1,7 @@
-"""Test-wide setup: benchmark modules (the fidelity harness) are importable by name."""
+"""Test-wide setup: benchmark modules (the fidelity harness) are importable by name, and the
+session compiles into its own Inductor cache."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +12,20 @@ if str(BENCHMARKS) not in sys.path:
 import pytest  # noqa: E402
 
 from gift_compile.testing.ranks import RankPool  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_inductor_cache(tmp_path_factory):
+    """An Inductor cache no other process writes: benchmarks or another test run on the same
+    machine share the default one, and a test once failed reading an entry being written.
+    Set before any rank pool or gift-titan job starts, so they inherit it."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor_cache"))
+    yield
+    if previous is None:
+        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
 @pytest.fixture(scope="session")

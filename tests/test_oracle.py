@@ -47,8 +47,8 @@ def eager_steps(rank, world, config, collective, steps):
     return outputs
 
 
-def oracle_outputs(world, config, collective, steps):
-    oracle = OracleLayer(D_OUT, D_IN, world, RANK, config.damping, error_feedback=config.error_feedback,
+def oracle_outputs(world, config, collective, steps, rank=RANK):
+    oracle = OracleLayer(D_OUT, D_IN, world, rank, config.damping, error_feedback=config.error_feedback,
                          factor_source=config.factor_source, refresh_interval=config.refresh_interval, collective=collective)
     outputs = []
     for step in range(steps):
@@ -75,6 +75,15 @@ def test_eager_path_matches_the_oracle(world, factor_source, collective, ranks):
     got = [torch.cat([o[s] for o in outputs])[:D_OUT] if collective == "reduce_scatter" else outputs[0][s] for s in range(steps)]
     assert_agrees(got, oracle_outputs(world, config, collective, steps), f"{world} ranks, {factor_source}, {collective}")
 
+
+
+def test_a_low_rank_above_the_input_dimension_means_full_rank(ranks):
+    # low_rank 10 x d_in must neither fail (on every rank, after the model is built) nor build a
+    # wider basis: it is the full A^-1/2, as the oracle computes it with rank = d_in.
+    config = config_for("current_step").replace(low_rank=10 * D_IN)
+    outputs = ranks(2).run(eager_steps, config, "reduce_scatter", 4)
+    got = [torch.cat([o[s] for o in outputs])[:D_OUT] for s in range(4)]
+    assert_agrees(got, oracle_outputs(2, config, "reduce_scatter", 4, rank=D_IN), "low_rank > d_in")
 
 class Probe(nn.Module):
     """One Linear layer whose weight gradient is exactly ``grad_out^T x`` for a chosen ``grad_out``."""
