@@ -10,7 +10,8 @@ So each parameter's slot, read across the ``world`` rows, is this rank's whole l
 
 * selected Linear weights: GIFT (``layer_step.reduce_layer``): input-side whitening acts on
   each row, so it commutes with the dim-0 split (docs/design.md §2);
-* other 2-D weights: Euclidean FP8 (``euclidean_dtype``);
+* other 2-D weights: Euclidean FP8 (``euclidean_dtype``; Linear weights with error feedback when
+  ``euclidean_error_feedback``);
 * 1-D parameters (norms): the reduce dtype, as FSDP would.
 
 The factors need the layer's inputs, which the reduce-scatter never sees. A forward hook on
@@ -20,6 +21,11 @@ recompilation), which starts the step: ``layer_step.issue_statistics`` sketches 
 issues the all-reduce that sums the sketch over the shard group. The reduce-scatter waits for
 it when the gradient arrives. Everything else (state, error feedback, meter, fallback,
 counters, checkpoints) is the same runtime the compiled-graph route uses.
+
+The codec body (whiten, FP8 encode, ``all_to_all``, decode, unwhiten, the new residual) runs
+compiled: FSDP2 calls the reduce-scatter eagerly, so :func:`compiled_fp8_reduce` is
+``torch.compile(comm.fp8_reduce)``, one static-shape graph per parameter shape and path, in
+which Inductor fuses the transforms with the casts as on the graph route.
 
 HSDP: FSDP2 follows the reduce-scatter with a replicate-group ``all_reduce`` that torch 2.13
 offers no hook to replace; it stays in the reduce dtype.
@@ -38,11 +44,22 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from gift_compile.collectives import WireFormat, bytes_sent
-from gift_compile.comm import euclidean_reduce
+from gift_compile.comm import euclidean_reduce, fp8_reduce
 from gift_compile.layer_step import EagerAccess, LayerPlan, issue_statistics, reduce_layer
 from gift_compile.runtime import GiftRuntime, get_runtime
 
 log = logging.getLogger(__name__)
+
+# One compiled graph per distinct (shape, path) of a model's 2-D parameters: a Llama has about
+# ten; Dynamo's default limit of 8 graphs per function would fall back to eager beyond that.
+COMPILED_GRAPHS_LIMIT = 64
+_fp8_reduce = torch.compile(fp8_reduce, fullgraph=True, dynamic=False)
+
+
+def compiled_fp8_reduce(*args, **kwargs):
+    """:func:`comm.fp8_reduce`, compiled (module docstring); same arguments, same result."""
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT):
+        return _fp8_reduce(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -173,14 +190,23 @@ class GiftReduceScatter(ReduceScatter):
                     "forward hook did not run (install with gift_compile.fsdp.install)"
                 )
             plan = dataclasses.replace(route.plans[segment.layer], op=op)
-            return reduce_layer(plan, EagerAccess(runtime), grad, *pending)
+            return reduce_layer(plan, EagerAccess(runtime), grad, *pending, reduce=compiled_fp8_reduce)
         if len(segment.shape) == 1:
             wire = WireFormat("bf16" if grad.dtype == torch.bfloat16 else "fp32")
         else:
             wire_dtype = (route.euclidean_dtype or config.euclidean_dtype) if segment.layer is not None else route.embedding_dtype
             wire = WireFormat.euclidean(config.replace(euclidean_dtype=wire_dtype))
-        reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective="reduce_scatter")
-        if len(segment.shape) > 1 and wire.dtype != "fp32":
+        if wire.dtype == "fp8" and segment.layer is not None and config.euclidean_error_feedback and route.euclidean_dtype is None:
+            # Euclidean FP8 with error feedback (not while layers = "auto" profiles): the layer's
+            # step without whitening; it reads no input, the gradient only gives the device.
+            plan = dataclasses.replace(route.plans[segment.layer], whitened=False, op=op)
+            access = EagerAccess(runtime)
+            return reduce_layer(plan, access, grad, *issue_statistics(plan, access, grad), reduce=compiled_fp8_reduce)
+        if wire.dtype == "fp8":
+            reduction = compiled_fp8_reduce(grad, None, None, None, op=op, group=group, wire=wire, collective="reduce_scatter")
+        else:  # a dense wire: the collective alone, nothing to compile
+            reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective="reduce_scatter")
+        if len(segment.shape) > 1:  # counted on every wire, fp32 included: the bytes metrics sum these
             runtime.record_euclidean(segment.layer or segment.module, wire.dtype, reduction.stats, bytes_sent(segment.shape, dist.get_world_size(group), wire, "reduce_scatter"))
         return reduction.output
 
@@ -255,4 +281,4 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
     return route
 
 
-__all__ = ["FsdpRoute", "GiftReduceScatter", "Segment", "group_segments", "install", "normalize_op"]
+__all__ = ["FsdpRoute", "GiftReduceScatter", "Segment", "compiled_fp8_reduce", "group_segments", "install", "normalize_op"]

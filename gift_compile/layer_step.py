@@ -117,9 +117,11 @@ def issue_statistics(
 
 
 def reduce_layer(
-    plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, sketch: torch.Tensor | None, basis: torch.Tensor | None
+    plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, sketch: torch.Tensor | None, basis: torch.Tensor | None,
+    *, reduce=fp8_reduce,
 ) -> torch.Tensor:
-    """Second half: factors, meter, the FP8 reduction with error feedback, ``end_step``."""
+    """Second half: factors, meter, the FP8 reduction with error feedback, ``end_step``.
+    ``reduce`` is :func:`comm.fp8_reduce` or a compiled version of it (the FSDP route)."""
     whitening, next_basis = None, None
     if plan.whitened:
         if plan.current_step:
@@ -130,7 +132,7 @@ def reduce_layer(
         access.meter(plan, grad, token)
     residual = access.residual(plan, token) if plan.keeps_residual else None
     gather_residual = access.gather_residual(plan, token) if plan.keeps_gather_residual else None
-    reduction = fp8_reduce(
+    reduction = reduce(
         grad, whitening, residual, gather_residual, op=plan.op, group=plan.group, wire=plan.wire,
         collective=plan.collective, gather_dtype=plan.config.all_gather_dtype,
     )

@@ -35,26 +35,33 @@ class Mixed(nn.Module):
         return self.norm(self.down(torch.relu(self.up(h)))).square().sum()
 
 
-def fsdp_steps(rank, world, reduce_dtype, steps=4):
+def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
+    from torch._dynamo.utils import counters as dynamo_counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    torch._dynamo.reset()
+    dynamo_counters.clear()
     torch.manual_seed(0)
     model = Mixed()
     replica = copy.deepcopy(model)
-    config = GiftConfig(layers=("up",), low_rank=8, fallback=False)
+    euclidean_error_feedback = euclidean == "fp8+ef"
+    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_dtype=euclidean.removesuffix("+ef"),
+                        euclidean_error_feedback=euclidean_error_feedback)
     mesh = init_device_mesh("cpu", (world,))
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for name in ("embed", "up", "down", "norm"):
         fully_shard(getattr(model, name), mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    runtime = register_runtime(f"fsdp-{world}-{reduce_dtype}", config)
-    install(model, runtime, f"fsdp-{world}-{reduce_dtype}", {"up"})
+    namespace = f"fsdp-{world}-{reduce_dtype}-{euclidean}"
+    runtime = register_runtime(namespace, config)
+    install(model, runtime, namespace, {"up"})
 
     reference = GiftReducer(config)
     inputs = {}
-    replica.up.register_forward_hook(lambda m, args, out: inputs.__setitem__("up", args[0].detach().reshape(-1, 24)))
-    worst = {}
+    for name in ("up", "down"):
+        replica.get_submodule(name).register_forward_hook(lambda m, args, out, name=name: inputs.__setitem__(name, args[0].detach()))
+    worst, graphs = {}, []
     for step in range(steps):
         tokens = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
         with torch.no_grad():  # an evaluation forward in between must not feed the statistics
@@ -63,10 +70,13 @@ def fsdp_steps(rank, world, reduce_dtype, steps=4):
         replica(tokens).backward()
         for name, param in model.named_parameters():
             local = replica.get_parameter(name).grad.to(reduce_dtype)
-            if name == "up.weight":
-                want = reference.reduce_layer("up", local, inputs["up"], op="avg", collective="reduce_scatter")  # FSDP2 averages
+            if name == "up.weight" or (name == "down.weight" and euclidean_error_feedback):  # FSDP2 averages
+                layer = name.removesuffix(".weight")
+                want = reference.reduce_layer(layer, local, inputs[layer].reshape(-1, local.shape[1]), op="avg",
+                                              collective="reduce_scatter", whitened=layer == "up")
             else:
-                wire = WireFormat("fp8") if local.dim() == 2 else WireFormat("bf16" if reduce_dtype == torch.bfloat16 else "fp32")
+                dense = WireFormat("bf16" if reduce_dtype == torch.bfloat16 else "fp32")
+                wire = WireFormat(config.euclidean_dtype if name == "down.weight" else "fp8") if local.dim() == 2 else dense
                 want = euclidean_reduce(local, op="avg", group=None, wire=wire, collective="reduce_scatter").output
             got = param.grad.to_local()
             want = want[: got.shape[0]].to(got.dtype)
@@ -74,20 +84,30 @@ def fsdp_steps(rank, world, reduce_dtype, steps=4):
             worst[name] = max(worst.get(name, 0.0), error)
         model.zero_grad()
         replica.zero_grad()
+        graphs.append(dynamo_counters["stats"]["unique_graphs"])  # the model is eager: these are the codec's
     counters = {fqn: c.as_dict() for fqn, c in runtime.counters.items()}
-    return worst, counters
+    return worst, counters, graphs
 
 
-@pytest.mark.parametrize("world, reduce_dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
-def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype):
-    for worst, counters in ranks(world).run(fsdp_steps, reduce_dtype):
+@pytest.mark.parametrize(
+    "world, reduce_dtype, euclidean",
+    [(2, torch.float32, "fp8"), (3, torch.float32, "fp8"), (2, torch.bfloat16, "fp8"), (2, torch.float32, "fp8+ef"), (2, torch.float32, "fp32")],
+)
+def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype, euclidean):
+    # FSDP runs the codec compiled (Inductor), the reference eagerly: the same arithmetic, so
+    # the FP8 paths must still agree bit for bit.
+    for worst, counters, graphs in ranks(world).run(fsdp_steps, reduce_dtype, euclidean):
+        # Each FP8 parameter (up whitened, down, embed) compiled at the first step, never again.
+        assert graphs[0] >= (2 if euclidean == "fp32" else 3) and graphs == [graphs[0]] * len(graphs)
         assert worst["up.weight"] == 0.0  # GIFT: the same step as the reference, bit for bit
-        assert worst["down.weight"] == 0.0 and worst["embed.weight"] == 0.0  # Euclidean FP8
-        # 1-D: the reduce dtype's own sum (gloo's order vs the reference's): rounding only.
+        assert worst["embed.weight"] == 0.0  # Euclidean FP8
+        # 1-D (and an fp32 wire): the reduce dtype's own sum (gloo's order vs the reference's): rounding only.
         limit = 1e-2 if reduce_dtype == torch.bfloat16 else 1e-6
         assert worst["up.bias"] < limit and worst["norm.weight"] < limit and worst["norm.bias"] < limit
+        assert worst["down.weight"] < limit if euclidean == "fp32" else worst["down.weight"] == 0.0  # FP8: bit for bit (+ef: a state)
         assert counters["up"]["path"] == "gift" and counters["up"]["steps"] == 4 and counters["up"]["stats_bytes"] > 0
-        assert counters["down"]["path"] == "fp8" and counters["embed"]["path"] == "fp8"
+        assert counters["down"]["path"] == euclidean and counters["embed"]["path"] == "fp8"
+        assert counters["down"]["bytes_sent"] > 0  # every wire is counted, fp32 too (the bytes metrics)
         assert counters["up"]["error_vs_fp8"] is not None
 
 
