@@ -5,10 +5,14 @@ The oracle shares no code with ``gift_compile``: it forms ``A`` explicitly, appl
 (``R <- R T_old^-1 T_new``), and rounds to e4m3 from the format's definition.
 
 Tolerance: the library computes in fp32, the oracle in float64, so the whitened payloads
-differ by ~1e-7 relative and the reduced gradients agree to ~1e-6. An FP8 rounding could
-flip only for a value within that distance of a rounding midpoint (probability ~1e-6 per
-element); these runs meet none, so each step must agree to 1e-5 (a missing residual move
-alone costs ~1e-2 per step, a stale factor ~1e-1).
+differ by ~1e-7 relative and the reduced gradients agree to ~1e-6 of their norm. An FP8
+rounding flips where a value lies within that distance of a rounding midpoint: rare, but
+over ~10^4 roundings per test it happens (seen on one machine's BLAS, not another's). A flip
+moves one element by one e4m3 step, and every transform here right-multiplies, so the
+difference stays in that element's row (error feedback carries it to the row's later steps).
+So each step must agree to 1e-5 of its norm in every row but at most two, and those rows to
+1e-2. What the oracle exists to catch moves every row: a missing residual move ~1e-2 per
+step, a stale factor ~1e-1, a wrong padded shard all of its rows.
 """
 
 import pytest
@@ -58,9 +62,14 @@ def oracle_outputs(world, config, collective, steps, rank=RANK):
 
 
 def assert_agrees(got, want, what):
+    """Each step's reduced gradient agrees with the oracle's to 1e-5 of its norm, row by row,
+    but for at most two rows per step (rounding flips: see the module docstring), which
+    must still agree to 1e-2."""
     for step, (g, w) in enumerate(zip(got, want)):
-        error = ((g.double() - w).norm() / w.norm()).item()
-        assert error < 1e-5, f"{what}: step {step} differs from the oracle by {error:.2e}"
+        diff = g.double() - w
+        error = (diff.norm() / w.norm()).item()
+        rows = (diff.norm(dim=1) / w.norm() > 1e-5).nonzero().flatten().tolist()
+        assert len(rows) <= 2 and error < 1e-2, f"{what}: step {step} differs from the oracle by {error:.2e} in rows {rows}"
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -199,11 +208,12 @@ def test_a_layer_used_twice_reduces_each_use_with_its_own_state(ranks):
     outputs, counters = ranks(2).run(twice_used_steps, steps)[0]
     assert counters == {"fc": steps, "fc#2": steps}  # one GIFT step per backward for each use
     oracles = [OracleLayer(D_OUT, D_IN, 2, RANK, 0.3, collective="all_reduce") for _ in range(2)]
+    want = []
     for step in range(steps):
-        want = 0
+        total = 0
         for oracle, use in zip(oracles, (step_data, second_use)):
             data = [use(r, step) for r in range(2)]
             grads = [g[: x.shape[0]].double().T @ x.double() for g, x in data]
-            want = want + oracle.reduce(grads, [x for _, x in data])
-        error = ((outputs[step].double() - want).norm() / want.norm()).item()
-        assert error < 1e-5, f"step {step}: {error:.2e}"
+            total = total + oracle.reduce(grads, [x for _, x in data])
+        want.append(total)
+    assert_agrees(outputs, want, "a layer used twice")
