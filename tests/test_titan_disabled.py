@@ -99,10 +99,14 @@ def descendants(pid: int) -> list[int]:
     return [d for c in children(pid) for d in (c, *descendants(c))]
 
 
-def test_a_killed_rank_ends_the_job_in_seconds(tmp_path):
-    # A rank that dies must not leave its peer waiting in a collective until a 10-minute timeout.
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_dead_or_hung_rank_ends_the_job(tmp_path, fault):
+    # A rank that dies must not leave its peer waiting in a collective until a 10-minute
+    # timeout; a rank that hangs (SIGSTOP: alive, silent) must end the job at torchtitan's
+    # train timeout (set to 15 s here), with an error that says so.
+    timeout_s = 15
     command = [sys.executable, "-m", "gift_compile.titan_integration.launcher", str(JOB), "--dump_folder", str(tmp_path / "run"),
-               "--training.steps", "200", "--metrics.log_freq", "1"]
+               "--training.steps", "200", "--metrics.log_freq", "1", "--comm.train_timeout_seconds", str(timeout_s)]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = tmp_path / "run" / "gift_metrics.jsonl"
@@ -113,10 +117,12 @@ def test_a_killed_rank_ends_the_job_in_seconds(tmp_path):
         (torchrun,) = children(job.pid)
         ranks = children(torchrun)
         assert len(ranks) == 2, ranks
-        killed_at = time.time()
-        os.kill(ranks[-1], signal.SIGKILL)
-        log = job.communicate(timeout=120)[0]
-        assert job.returncode != 0 and time.time() - killed_at < 60, log[-2000:]
+        struck_at = time.time()
+        os.kill(ranks[-1], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        log = job.communicate(timeout=240)[0]
+        assert job.returncode != 0 and time.time() - struck_at < (60 if fault == "killed" else timeout_s + 120), log[-2000:]
+        if fault == "hung":
+            assert re.search(r"[Tt]imed out|[Tt]imeout", log), log[-2000:]
         assert not descendants(job.pid)
     finally:
         for pid in [*descendants(job.pid), job.pid]:
