@@ -2,7 +2,8 @@
 
 :func:`run_job` launches ``gift-titan`` in a subprocess on a job file plus overrides, with its
 own dump folder, and returns a :class:`JobResult`: the exit code, the log, and the records of
-``gift_metrics.jsonl`` / ``gift_counters_rank*.json``.
+``gift_metrics.jsonl`` / ``gift_counters_rank*.json``. :func:`run_nodes` runs the job as the
+nodes of a multi-node job, all on this machine.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gift_compile.testing.ranks import free_port
 from gift_compile.titan_integration.session import METRICS_FILE
 
 
@@ -28,6 +30,8 @@ class JobResult:
     dump_folder: Path
     wall_s: float
     records: list[dict[str, Any]] = field(default_factory=list)
+    rank_counters: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """``gift_counters_rank<r>.json`` as the job left them (a later run in the folder rewrites them)."""
 
     def series(self, key: str) -> dict[int, float]:
         return {r["step"]: r[key] for r in self.records if r.get(key) is not None}
@@ -40,7 +44,9 @@ class JobResult:
         return values[-1] if values else None
 
     def counters(self, rank: int = 0) -> dict[str, Any]:
-        return json.loads((self.dump_folder / f"gift_counters_rank{rank}.json").read_text())
+        if rank not in self.rank_counters:
+            raise KeyError(f"the job wrote no gift_counters_rank{rank}.json in {self.dump_folder}")
+        return self.rank_counters[rank]
 
     def applied_passes(self) -> list[str]:
         """The graph passes graph_trainer logged as applied (its numbered list), in order."""
@@ -63,22 +69,54 @@ def write_job(path: Path, config: str, *, steps: int, gift: dict[str, Any], npro
     return path
 
 
-def resume(first: JobResult, job: Path, folder: Path, step: int, *overrides: str) -> JobResult:
-    """Run ``job`` again in ``folder`` from ``first``'s step-``step`` checkpoint."""
+def resume(first: JobResult, job: Path, folder: Path, step: int, *overrides: str, nodes: int = 1) -> JobResult:
+    """Run ``job`` again in ``folder`` from ``first``'s step-``step`` checkpoint (as ``nodes``
+    nodes of a multi-node job with :func:`run_nodes` when ``nodes > 1``)."""
     shutil.copytree(first.dump_folder / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}")
-    return run_job(job, folder, "--checkpoint.load_step", str(step), *overrides).check()
+    overrides = ("--checkpoint.load_step", str(step), *overrides)
+    return (run_nodes(job, folder, nodes, free_port(), *overrides) if nodes > 1 else run_job(job, folder, *overrides)).check()
+
+
+def _command(job: str | Path | None, dump_folder: Path, overrides: tuple[str, ...]) -> list[str]:
+    command = [sys.executable, "-m", "gift_compile.titan_integration.launcher"]
+    command += [str(job)] if job is not None else []
+    return command + ["--dump_folder", str(dump_folder), *overrides]
 
 
 def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, timeout: float = 900, cwd: str | Path | None = None) -> JobResult:
     dump_folder = Path(dump_folder).resolve()
-    command = [sys.executable, "-m", "gift_compile.titan_integration.launcher"]
-    command += [str(job)] if job is not None else []
-    command += ["--dump_folder", str(dump_folder), *overrides]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    proc = subprocess.run(_command(job, dump_folder, overrides), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     wall = time.perf_counter() - start
-    return JobResult(proc.returncode, proc.stdout + proc.stderr, dump_folder, wall, read_records(dump_folder))
+    return JobResult(proc.returncode, proc.stdout + proc.stderr, dump_folder, wall, read_records(dump_folder), read_counters(dump_folder))
+
+
+def run_nodes(job: str | Path, dump_folder: str | Path, nnodes: int, port: int, *overrides: str, timeout: float = 900) -> JobResult:
+    """``job`` as one multi-node job whose ``nnodes`` nodes all run on this machine: one
+    ``gift-titan --nnodes N --node-rank r`` per node, rendezvous at 127.0.0.1:``port``, one
+    dump folder. The result's exit code is the first failing node's (0 if none); its log is
+    every node's log in node order."""
+    dump_folder = Path(dump_folder).resolve()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    nodes = [
+        subprocess.Popen(
+            _command(job, dump_folder, ("--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                                        "--master-port", str(port), *overrides)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for node in range(nnodes)
+    ]
+    try:
+        logs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    wall = time.perf_counter() - start
+    returncode = next((node.returncode for node in nodes if node.returncode != 0), 0)
+    log = "".join(f"== node {i} ==\n{text}" for i, text in enumerate(logs))
+    return JobResult(returncode, log, dump_folder, wall, read_records(dump_folder), read_counters(dump_folder))
 
 
 def read_records(dump_folder: Path) -> list[dict[str, Any]]:
@@ -89,4 +127,10 @@ def read_records(dump_folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["JobResult", "read_records", "resume", "run_job", "write_job"]
+def read_counters(dump_folder: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's ``gift_counters_rank<r>.json`` in ``dump_folder``, by rank."""
+    files = dump_folder.glob("gift_counters_rank*.json")
+    return {int(f.stem.removeprefix("gift_counters_rank")): json.loads(f.read_text()) for f in files}
+
+
+__all__ = ["JobResult", "read_records", "resume", "run_job", "run_nodes", "write_job"]
