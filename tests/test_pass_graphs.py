@@ -103,6 +103,40 @@ def test_periodic_factors_are_loaded_not_computed():
     FileCheck().check_not("gift.input_sketch").check_not("gift.whitening_from_sketch").run(after)
 
 
+def test_joint_graph_sends_the_statistics_during_the_forward():
+    # graph_trainer's own tracer (make_fx of forward + loss + backward, modules annotated with
+    # their FQNs): fc2's input is a forward node, so the sketch and its all_reduce start in the
+    # forward, before fc2 itself runs (addmm_1) and before the loss (sum_1); the wait comes
+    # only after fc2's weight gradient (mm(t_3, relu)) exists, in the backward.
+    from torchtitan.experiments.graph_trainer.common_utils import annotate_module_fqns
+    from torchtitan.experiments.graph_trainer.make_fx_tracer import minimal_fx_tracer
+
+    torch.manual_seed(0)
+    model = replicate(MLP())
+    annotate_module_fqns(model)
+
+    def forward_backward(x):  # graph_trainer's make_fwd_bwd_step, with a sum for the loss
+        loss = model(x).sum()
+        params = [p for _, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        return [loss, *torch.autograd.grad(loss, params)]
+
+    graph = minimal_fx_tracer(forward_backward, module=model)(torch.randn(4, 16)).gm.graph
+    config = GiftConfig(layers=("fc2",), low_rank=4)
+    register_runtime("snap_joint", config)
+    assert len(gift_collectives_pass(graph, config, "snap_joint", frozenset({"fc2"}))) == 2  # fc2 whitened, fc1 FP8
+    FileCheck() \
+        .check("aten.relu.default") \
+        .check("gift.input_sketch.default(relu,") \
+        .check("_c10d_functional.all_reduce.default(input_sketch, 'sum',") \
+        .check("aten.addmm.default(view_3, relu,") \
+        .check("aten.sum.default(addmm_1)") \
+        .check("aten.mm.default(t_3, relu)") \
+        .check("_c10d_functional.wait_tensor.default(all_reduce_4)") \
+        .check("gift.whitening_from_sketch.default") \
+        .check("gift.end_step.default('snap_joint', 'fc2'") \
+        .run(normalized_code(graph))
+
+
 def count_ops(code: str) -> collections.Counter:
     return collections.Counter(re.findall(r"(_c10d_functional\.\w+|gift\.\w+)\.default\(", code))
 
