@@ -46,9 +46,15 @@ def _wrap_loss_recording(trainer) -> None:
 
 
 class _GiftCounters:
-    """Both trainers write GIFT's per-layer counters when they close."""
+    """Both trainers start a GIFT session when ``[gift] enabled`` and write GIFT's per-layer
+    counters when they close."""
 
     gift_session: GiftSession | None
+
+    def _start_gift(self, config, route: str) -> None:
+        self.gift_session = GiftSession(self, config.gift, route=route) if config.gift.enabled else None
+        if self.gift_session is None:
+            _wrap_loss_recording(self)
 
     def close(self) -> None:
         if self.gift_session is not None:
@@ -70,9 +76,7 @@ class GiftGraphTrainer(_GiftCounters, GraphTrainer):
 
     def __init__(self, config: GiftGraphTrainer.Config) -> None:
         super().__init__(config)
-        self.gift_session = GiftSession(self, config.gift, route="graph") if config.gift.enabled else None
-        if self.gift_session is None:
-            _wrap_loss_recording(self)
+        self._start_gift(config, route="graph")
 
 
 class GiftTrainer(_GiftCounters, Trainer):
@@ -83,9 +87,7 @@ class GiftTrainer(_GiftCounters, Trainer):
 
     def __init__(self, config: GiftTrainer.Config) -> None:
         super().__init__(config)
-        self.gift_session = GiftSession(self, config.gift, route="fsdp2") if config.gift.enabled else None
-        if self.gift_session is None:
-            _wrap_loss_recording(self)
+        self._start_gift(config, route="fsdp2")
 
     def train_step(self, data_iterator):
         # The standard trainer has no pre-step hook: the ``layers = "auto"`` switch goes here.
