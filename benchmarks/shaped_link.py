@@ -226,19 +226,27 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
 
     rows = []
     for r in results:
-        fp32 = find(results, r.mode, r.rate, "fp32") or r
-        # What the bytes alone predict: the compute stays, the rest scales with the bytes carried.
-        predicted = fp32.step_s / (compute_s + (fp32.step_s - compute_s) * r.bytes_per_step / fp32.bytes_per_step)
+        fp32 = find(results, r.mode, r.rate, "fp32")
+        if fp32 is None:  # no fp32 run at this rate (a --variants subset): nothing to compare with
+            vs_fp32 = predicted = bytes_vs_fp32 = "-"
+        else:
+            # What the bytes alone predict: the compute stays, the rest scales with the bytes carried.
+            ratio = r.bytes_per_step / fp32.bytes_per_step
+            vs_fp32 = f"{r.tokens_s / fp32.tokens_s:.2f}x"
+            predicted = f"{fp32.step_s / (compute_s + (fp32.step_s - compute_s) * ratio):.2f}x"
+            bytes_vs_fp32 = f"{ratio:.2f}"
         rows.append([r.mode, rate_label(r.rate), r.variant, f"{r.step_s:.2f} ± {r.step_spread:.2f}", f"{r.tokens_s:.0f}",
-                     f"{r.tokens_s / fp32.tokens_s:.2f}x", f"{predicted:.2f}x", f"{max(0.0, 1 - compute_s / r.step_s):.0%}",
-                     f"{r.bytes_per_step / 2**20:.1f}", f"{r.bytes_per_step / fp32.bytes_per_step:.2f}"])
+                     vs_fp32, predicted, f"{max(0.0, 1 - compute_s / r.step_s):.0%}", f"{r.bytes_per_step / 2**20:.1f}", bytes_vs_fp32])
     headers = ["mode", "link", "gradients", "step s (median ± half range)", "tokens/s", "vs fp32", "vs fp32 predicted by bytes",
                "beyond compute", "MiB/step/direction", "bytes vs fp32"]
     lines = [tabulate(rows, headers=headers, tablefmt="github"), "",
              f"Compute alone (1 rank, same per-rank batch): {compute_s:.2f} s/step; {tokens_per_step} tokens per step in all. "
              "'Beyond compute' is the share of the step not explained by that compute (communication, codec, waiting).", ""]
     for mode in sorted({r.mode for r in results}):
-        lines.append(f"**{mode}**: FP8 beats fp32 up to {crossover(results, mode, 'fp8')}; GIFT up to {crossover(results, mode, 'gift')}.")
+        if any(r.mode == mode and r.variant == "fp32" for r in results):
+            lines.append(f"**{mode}**: FP8 beats fp32 up to {crossover(results, mode, 'fp8')}; GIFT up to {crossover(results, mode, 'gift')}.")
+        else:
+            lines.append(f"**{mode}** (no fp32 run):")
         for rate in dict.fromkeys(r.rate for r in results if r.mode == mode):
             at_rate = [r for r in results if r.mode == mode and r.rate == rate]
             fp8, gift = find(results, mode, rate, "fp8"), find(results, mode, rate, "gift")
