@@ -133,4 +133,4 @@ def read_counters(dump_folder: Path) -> dict[int, dict[str, Any]]:
     return {int(f.stem.removeprefix("gift_counters_rank")): json.loads(f.read_text()) for f in files}
 
 
-__all__ = ["JobResult", "read_records", "resume", "run_job", "run_nodes", "write_job"]
+__all__ = ["JobResult", "read_counters", "read_records", "resume", "run_job", "run_nodes", "write_job"]
