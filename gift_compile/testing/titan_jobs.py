@@ -85,11 +85,9 @@ def _command(job: str | Path | None, dump_folder: Path, overrides: tuple[str, ..
 
 def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, timeout: float = 900, cwd: str | Path | None = None) -> JobResult:
     dump_folder = Path(dump_folder).resolve()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    proc = subprocess.run(_command(job, dump_folder, overrides), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
-    wall = time.perf_counter() - start
-    return JobResult(proc.returncode, proc.stdout + proc.stderr, dump_folder, wall, read_records(dump_folder), read_counters(dump_folder))
+    proc = subprocess.run(_command(job, dump_folder, overrides), capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
+    return _result(proc.returncode, proc.stdout + proc.stderr, dump_folder, start)
 
 
 def run_nodes(job: str | Path, dump_folder: str | Path, nnodes: int, port: int, *overrides: str, timeout: float = 900) -> JobResult:
@@ -98,13 +96,12 @@ def run_nodes(job: str | Path, dump_folder: str | Path, nnodes: int, port: int, 
     dump folder. The result's exit code is the first failing node's (0 if none); its log is
     every node's log in node order."""
     dump_folder = Path(dump_folder).resolve()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     start = time.perf_counter()
     nodes = [
         subprocess.Popen(
             _command(job, dump_folder, ("--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", "127.0.0.1",
                                         "--master-port", str(port), *overrides)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
         )
         for node in range(nnodes)
     ]
@@ -113,10 +110,17 @@ def run_nodes(job: str | Path, dump_folder: str | Path, nnodes: int, port: int, 
     finally:
         for node in nodes:
             node.kill()
-    wall = time.perf_counter() - start
     returncode = next((node.returncode for node in nodes if node.returncode != 0), 0)
-    log = "".join(f"== node {i} ==\n{text}" for i, text in enumerate(logs))
-    return JobResult(returncode, log, dump_folder, wall, read_records(dump_folder), read_counters(dump_folder))
+    return _result(returncode, "".join(f"== node {i} ==\n{text}" for i, text in enumerate(logs)), dump_folder, start)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def _result(returncode: int, log: str, dump_folder: Path, start: float) -> JobResult:
+    """What a finished job left: its exit code and log, and the files it wrote, read now."""
+    return JobResult(returncode, log, dump_folder, time.perf_counter() - start, read_records(dump_folder), read_counters(dump_folder))
 
 
 def read_records(dump_folder: Path) -> list[dict[str, Any]]:
