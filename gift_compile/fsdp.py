@@ -27,14 +27,21 @@ compiled: FSDP2 calls the reduce-scatter eagerly, so :func:`compiled_fp8_reduce`
 ``torch.compile(comm.fp8_reduce)``, one static-shape graph per parameter shape and path, in
 which Inductor fuses the transforms with the casts as on the graph route.
 
-HSDP: FSDP2 follows the reduce-scatter with a replicate-group ``all_reduce`` that torch 2.13
-offers no hook to replace; it stays in the reduce dtype.
+HSDP: on a 2-D mesh FSDP2 follows the reduce-scatter with a replicate-group ``all_reduce`` in
+the reduce dtype, and torch 2.13 offers no hook to replace it (``set_all_reduce_hook`` runs
+after it). What it does offer is FSDP2's "custom HSDP": ``fully_shard`` over the shard
+dimension alone plus an all-reduce hook, which FSDP calls on every reduce-scatter output. So
+for HSDP, :func:`install` takes the replicate group and the hook reduces each parameter's shard
+across it: 2-D parameters in Euclidean FP8 (the wire the reduce-scatter used for Euclidean
+weights; FP8 for whitened ones, whose factors differ between replicas because each shard group
+sums its own statistics), 1-D parameters in the reduce dtype. A native-HSDP module is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,9 +49,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from gift_compile.collectives import WireFormat, bytes_sent
-from gift_compile.comm import euclidean_reduce, fp8_reduce
+from gift_compile.comm import Reduction, euclidean_reduce, fp8_reduce
 from gift_compile.layer_step import EagerAccess, LayerPlan, issue_statistics, reduce_layer
 from gift_compile.runtime import GiftRuntime, get_runtime
 
@@ -125,6 +133,10 @@ class FsdpRoute:
     segments: list[Segment] = field(default_factory=list)
     """Every parameter slot of every group (bytes accounting)."""
     hooked: set[str] = field(default_factory=set)
+    replicate_group: dist.ProcessGroup | None = None
+    """HSDP's replicate dimension (each group's all-reduce hook), or None."""
+    codec: Callable[..., Reduction] = compiled_fp8_reduce
+    """The FP8 codec body: compiled (the default), or ``comm.fp8_reduce`` itself (``install(compile_codec=False)``)."""
 
     def select(self, model: nn.Module, layers) -> None:
         """Whiten ``layers`` from the next step on (each gets its forward statistics hook once)."""
@@ -151,8 +163,9 @@ class FsdpRoute:
 class GiftReduceScatter(ReduceScatter):
     """The reduce-scatter of one FSDP parameter group (module docstring)."""
 
-    def __init__(self, segments: list[Segment], namespace: str) -> None:
-        self.segments, self.namespace = segments, namespace
+    def __init__(self, segments: list[Segment], namespace: str, replicate_group: dist.ProcessGroup | None = None) -> None:
+        self.segments, self.namespace, self.replicate_group = segments, namespace, replicate_group
+        self._op = "avg"  # the last reduce-scatter's op: the replicate all-reduce continues it
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # FSDP makes the sharded .grad tensors views into the output at absolute offsets: a
@@ -169,6 +182,9 @@ class GiftReduceScatter(ReduceScatter):
                 "(a parameter without a gradient? GIFT needs every parameter of a group to have one)"
             )
         kind, factor = normalize_op(op)
+        # AVG over the shard group continues as AVG over the replicas; a sum (times FSDP's
+        # divide factor, already applied to the shard) continues as a sum.
+        self._op = kind
         runtime = get_runtime(self.namespace)
         rows = input_tensor.view(world, total)
         for segment in self.segments:
@@ -180,6 +196,45 @@ class GiftReduceScatter(ReduceScatter):
             output_tensor[segment.offset : segment.offset + segment.numel].copy_(shard.reshape(-1))
         return None
 
+    def all_reduce(self, reduce_output: torch.Tensor) -> None:
+        """FSDP's all-reduce hook (HSDP's replicate dimension): reduce this rank's shard of every
+        parameter across the replicas, in place (module docstring)."""
+        runtime = get_runtime(self.namespace)
+        group = self.replicate_group
+        for segment in self.segments:
+            flat = reduce_output[segment.offset : segment.offset + segment.numel]
+            shard = flat.view(segment.shard_rows, segment.cols) if len(segment.shape) > 1 else flat
+            wire = self._euclidean_wire(runtime, segment, shard.dtype, whitened_is_fp8=True)
+            key = f"{segment.layer or segment.module}@replicate"
+            flat.copy_(self._euclidean(runtime, key, segment, shard, group, self._op, wire, "all_reduce").reshape(-1))
+
+    def _euclidean_wire(self, runtime: GiftRuntime, segment: Segment, dtype: torch.dtype, *, whitened_is_fp8: bool = False) -> WireFormat:
+        """The stateless wire of a parameter: 1-D in the reduce dtype, Linear weights in
+        ``euclidean_dtype`` (whitened ones in FP8 on the replicate all-reduce), others in ``embedding_dtype``."""
+        config, route = runtime.config, FsdpRoute.of(runtime)
+        if len(segment.shape) == 1:
+            return WireFormat("bf16" if dtype == torch.bfloat16 else "fp32")
+        if segment.layer is None:
+            return WireFormat.euclidean(config.replace(euclidean_dtype=route.embedding_dtype))
+        if whitened_is_fp8 and segment.layer in route.selected:
+            return WireFormat.euclidean(config.replace(euclidean_dtype="fp8"))
+        return WireFormat.euclidean(config.replace(euclidean_dtype=route.euclidean_dtype or config.euclidean_dtype))
+
+    @staticmethod
+    def _euclidean(runtime: GiftRuntime, key: str, segment: Segment, grad: torch.Tensor, group, op: str, wire: WireFormat,
+                   collective: str) -> torch.Tensor:
+        """One stateless reduction (compiled on the FP8 wire), counted under ``key`` when 2-D."""
+        if wire.dtype == "fp8":
+            reduction = FsdpRoute.of(runtime).codec(grad, None, None, None, op=op, group=group, wire=wire, collective=collective,
+                                                    gather_dtype=runtime.config.all_gather_dtype)
+        else:  # a dense wire: the collective alone, nothing to compile
+            reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective=collective)
+        if len(segment.shape) > 1:  # counted on every wire, fp32 included: the bytes metrics sum these
+            shape = tuple(grad.shape) if collective == "all_reduce" else segment.shape
+            nbytes = bytes_sent(shape, dist.get_world_size(group), wire, collective, runtime.config.all_gather_dtype)
+            runtime.record_euclidean(key, wire.dtype, reduction.stats, nbytes)
+        return reduction.output
+
     def _reduce(self, runtime: GiftRuntime, segment: Segment, grad: torch.Tensor, group, op: str) -> torch.Tensor:
         config, route = runtime.config, FsdpRoute.of(runtime)
         if segment.layer in route.selected:
@@ -190,25 +245,15 @@ class GiftReduceScatter(ReduceScatter):
                     "forward hook did not run (install with gift_compile.fsdp.install)"
                 )
             plan = dataclasses.replace(route.plans[segment.layer], op=op)
-            return reduce_layer(plan, EagerAccess(runtime), grad, *pending, reduce=compiled_fp8_reduce)
-        if len(segment.shape) == 1:
-            wire = WireFormat("bf16" if grad.dtype == torch.bfloat16 else "fp32")
-        else:
-            wire_dtype = (route.euclidean_dtype or config.euclidean_dtype) if segment.layer is not None else route.embedding_dtype
-            wire = WireFormat.euclidean(config.replace(euclidean_dtype=wire_dtype))
+            return reduce_layer(plan, EagerAccess(runtime), grad, *pending, reduce=route.codec)
+        wire = self._euclidean_wire(runtime, segment, grad.dtype)
         if wire.dtype == "fp8" and segment.layer is not None and config.euclidean_error_feedback and route.euclidean_dtype is None:
             # Euclidean FP8 with error feedback (not while layers = "auto" profiles): the layer's
             # step without whitening; it reads no input, the gradient only gives the device.
             plan = dataclasses.replace(route.plans[segment.layer], whitened=False, op=op)
             access = EagerAccess(runtime)
-            return reduce_layer(plan, access, grad, *issue_statistics(plan, access, grad), reduce=compiled_fp8_reduce)
-        if wire.dtype == "fp8":
-            reduction = compiled_fp8_reduce(grad, None, None, None, op=op, group=group, wire=wire, collective="reduce_scatter")
-        else:  # a dense wire: the collective alone, nothing to compile
-            reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective="reduce_scatter")
-        if len(segment.shape) > 1:  # counted on every wire, fp32 included: the bytes metrics sum these
-            runtime.record_euclidean(segment.layer or segment.module, wire.dtype, reduction.stats, bytes_sent(segment.shape, dist.get_world_size(group), wire, "reduce_scatter"))
-        return reduction.output
+            return reduce_layer(plan, access, grad, *issue_statistics(plan, access, grad), reduce=route.codec)
+        return self._euclidean(runtime, segment.layer or segment.module, segment, grad, group, op, wire, "reduce_scatter")
 
 
 def normalize_op(op) -> tuple[str, float | None]:
@@ -250,10 +295,19 @@ def _input_hook(namespace: str, fqn: str):
     return hook
 
 
-def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=frozenset(), embedding_dtype: str = "fp8") -> FsdpRoute:
+def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=frozenset(), embedding_dtype: str = "fp8",
+            replicate_group: dist.ProcessGroup | None = None, compile_codec: bool = True) -> FsdpRoute:
     """Give every FSDP parameter group of ``model`` a :class:`GiftReduceScatter` and whiten the
-    ``selected`` Linear layers (call after ``fully_shard``, before the first forward)."""
-    route = FsdpRoute(namespace, embedding_dtype=embedding_dtype)
+    ``selected`` Linear layers (call after ``fully_shard``, before the first forward).
+
+    HSDP: ``fully_shard`` over the shard dimension only and pass the replicate dimension's
+    group as ``replicate_group``: each group's all-reduce hook then reduces across it (module
+    docstring). ``compile_codec=False`` runs the FP8 codec eagerly (the same arithmetic, bit for
+    bit; no Inductor compile per parameter shape)."""
+    if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
+        replicate_group = None  # one replica: nothing to all-reduce
+    route = FsdpRoute(namespace, embedding_dtype=embedding_dtype, replicate_group=replicate_group,
+                      codec=compiled_fp8_reduce if compile_codec else fp8_reduce)
     runtime.integration = route
     names = {module: name for name, module in model.named_modules()}
     seen = set()
@@ -267,12 +321,24 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
             continue
         group = groups[0]
         seen.add(id(group))
+        if isinstance(group.mesh_info, DDPMeshInfo):
+            raise ValueError(
+                f"GIFT: FSDP module {names[module]!r} is sharded on a 2-D (HSDP) mesh, whose replicate all_reduce FSDP "
+                "runs in the reduce dtype with no hook to replace it: fully_shard over the shard mesh dimension and pass "
+                "the replicate dimension's group as install(..., replicate_group=)"
+            )
         shard_group = group.mesh_info.shard_process_group
         segments = group_segments(group.fsdp_params, names, dist.get_world_size(shard_group))
         if dist.get_world_size(shard_group) == 1:
+            if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
+                raise ValueError(f"GIFT: FSDP module {names[module]!r} has a shard group of one rank and replicas: "
+                                 "GIFT whitens the reduce-scatter; shard over more than one rank")
             continue  # FSDP does not reduce-scatter over one rank (it copies): nothing to send
         route.segments += segments
-        module.set_custom_reduce_scatter(GiftReduceScatter(segments, namespace))
+        comm = GiftReduceScatter(segments, namespace, replicate_group)
+        module.set_custom_reduce_scatter(comm)
+        if replicate_group is not None:
+            module.set_all_reduce_hook(comm.all_reduce)
         for segment in segments:
             if segment.layer is not None:
                 route.plans[segment.layer] = LayerPlan(segment.layer, segment.shape[0], segment.cols, True, "reduce_scatter", "sum",

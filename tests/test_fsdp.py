@@ -147,3 +147,95 @@ def test_statistics_hook_traces_into_compiled_blocks_without_recompiling(ranks):
     for graphs, steps in ranks(2).run(compiled_blocks):
         assert graphs[0] >= 2 and graphs == [graphs[0]] * len(graphs)  # compiled once, never again
         assert steps["0.up"] == steps["1.up"] == 4  # each step found its forward statistics
+
+
+def hsdp_steps(rank, world, steps=3):
+    # HSDP on a 2 x 2 mesh: fully_shard over the shard dimension, GIFT's all-reduce hook over
+    # the replicas (gift_compile.fsdp). Returns per-parameter errors, whether the replicas agree
+    # and the counters. The codec runs eagerly: compiled, it equals the eager one bit for bit
+    # (test_fsdp_reduce_scatter_matches_the_reference), and four ranks on two cores would
+    # otherwise spend a minute compiling six graphs each.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Mixed()
+    replica = copy.deepcopy(model)
+    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_error_feedback=False)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    shard_group, replicate_group = mesh["shard"].get_group(), mesh["replicate"].get_group()
+    for name in ("embed", "up", "down", "norm"):
+        fully_shard(getattr(model, name), mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    runtime = register_runtime("fsdp-hsdp", config)
+    install(model, runtime, "fsdp-hsdp", {"up"}, replicate_group=replicate_group, compile_codec=False)
+
+    reference = GiftReducer(config, group=shard_group)
+    inputs = {}
+    replica.up.register_forward_hook(lambda m, args, out: inputs.__setitem__("up", args[0].detach()))
+    library, exact, replicas_equal = {}, {}, True
+    for step in range(steps):
+        tokens = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
+        model(tokens).backward()
+        replica(tokens).backward()
+        for name, param in model.named_parameters():
+            local = replica.get_parameter(name).grad
+            got = param.grad.to_local()
+            # The library's own composition: the shard group's step, then the replicas' all-reduce.
+            if name == "up.weight":
+                shard = reference.reduce_layer("up", local, inputs["up"].reshape(-1, 24), op="avg", collective="reduce_scatter")
+            else:
+                wire = WireFormat("fp8" if local.dim() == 2 else "fp32")
+                shard = euclidean_reduce(local, op="avg", group=shard_group, wire=wire, collective="reduce_scatter").output
+            want = euclidean_reduce(shard, op="avg", group=replicate_group, wire=WireFormat("fp8" if local.dim() == 2 else "fp32"),
+                                    collective="all_reduce").output[: got.shape[0]]
+            library[name] = max(library.get(name, 0.0), ((got - want).norm() / want.norm()).item())
+            # Independent: the fp32 mean of all four ranks' gradients, this rank's rows.
+            mean = local.clone()
+            dist.all_reduce(mean)
+            mean = mean.div(world).chunk(world // 2)[dist.get_rank(shard_group)]  # FSDP's dim-0 shard
+            exact[name] = max(exact.get(name, 0.0), ((got - mean).norm() / mean.norm()).item())
+            # The replicas hold the same shard, bit for bit.
+            peers = [torch.empty_like(got) for _ in range(2)]
+            dist.all_gather(peers, got.contiguous(), group=replicate_group)
+            replicas_equal &= torch.equal(peers[0], peers[1])
+        model.zero_grad()
+        replica.zero_grad()
+    counters = {fqn: c.as_dict() for fqn, c in runtime.counters.items()}
+    return library, exact, replicas_equal, counters
+
+
+def test_hsdp_all_reduces_the_replicas_in_fp8(ranks):
+    for library, exact, replicas_equal, counters in ranks(4).run(hsdp_steps):
+        assert replicas_equal
+        # The hook is the library's own reduce-scatter then all-reduce, compiled vs eager: the
+        # same arithmetic, bit for bit (1-D: gloo's fp32 sums, rounding only).
+        assert library["up.weight"] == library["down.weight"] == library["embed.weight"] == 0.0, library
+        assert max(library[n] for n in ("up.bias", "norm.weight", "norm.bias")) < 1e-6, library
+        # Against the exact fp32 mean: 1-D parameters travel in fp32 (rounding only); 2-D ones go
+        # through three e4m3 roundings (reduce-scatter, the replicas' reduce-scatter, the owner's
+        # all-gather), each at most 2^-4 of an element's magnitude, so under 3 * 2^-4 in norm.
+        assert max(exact[n] for n in ("up.bias", "norm.weight", "norm.bias")) < 1e-6, exact
+        assert max(exact[n] for n in ("up.weight", "down.weight", "embed.weight")) < 3 * 2**-4, exact
+        assert counters["up"]["path"] == "gift" and counters["up"]["steps"] == 3
+        for fqn in ("up", "down", "embed"):  # the replicate dimension: FP8, counted on its own row
+            assert counters[f"{fqn}@replicate"]["path"] == "fp8" and counters[f"{fqn}@replicate"]["bytes_sent"] > 0
+
+
+def native_hsdp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = Mixed()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+    try:
+        install(model, register_runtime("fsdp-native-hsdp", GiftConfig(layers=("up",))), "fsdp-native-hsdp", {"up"})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_native_hsdp_is_refused_with_the_way_out(ranks):
+    for message in ranks(4).run(native_hsdp):
+        assert message is not None and "2-D (HSDP) mesh" in message and "replicate_group" in message

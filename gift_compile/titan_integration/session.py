@@ -90,7 +90,9 @@ class Fsdp2Route:
 
     def __init__(self, trainer, runtime: GiftRuntime, embedding_dtype: str) -> None:
         self.model = trainer.model_parts[0]
-        self.route = fsdp.install(self.model, runtime, NAMESPACE, embedding_dtype=embedding_dtype)
+        dims = trainer.parallel_dims
+        replicas = dims.get_mesh("dp_replicate").get_group() if dims.dp_replicate_enabled else None
+        self.route = fsdp.install(self.model, runtime, NAMESPACE, embedding_dtype=embedding_dtype, replicate_group=replicas)
         self._accounting = self._count()
 
     def select(self, config: GiftConfig, chosen: list[str], embedding_dtype: str, *, retrace: bool) -> None:
@@ -101,8 +103,11 @@ class Fsdp2Route:
         """What each parameter's reduce-scatter would send in fp32, and what stays dense (1-D)."""
         accounting = GraphAccounting(collectives=len(self.route.segments))
         fp32 = WireFormat("fp32")
+        replicas = dist.get_world_size(self.route.replicate_group) if self.route.replicate_group is not None else 1
         for segment in self.route.segments:
             nbytes = bytes_sent(segment.shape, segment.world, fp32, "reduce_scatter")
+            if replicas > 1:  # HSDP: then the shard's all-reduce across the replicas
+                nbytes += bytes_sent((segment.shard_rows, segment.cols), replicas, fp32, "all_reduce")
             accounting.fp32_bytes += nbytes
             if len(segment.shape) == 1:
                 accounting.untouched_bytes += nbytes  # torchtitan reduces in fp32

@@ -11,6 +11,8 @@ Both write ``gift_metrics.jsonl`` (loss, bytes, memory per logged step) to the d
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,13 +81,44 @@ class GiftGraphTrainer(_GiftCounters, GraphTrainer):
         self._start_gift(config, route="graph")
 
 
+class _ShardOnlyDims:
+    """``parallel_dims`` as the model's parallelize function sees it under GIFT with HSDP: no
+    replicate dimension, so ``fully_shard`` shards over ``fsdp`` alone and GIFT's all-reduce
+    hook reduces across the replicas (``gift_compile.fsdp``). Everything else is the real one."""
+
+    dp_replicate_enabled = False
+
+    def __init__(self, dims) -> None:
+        self._dims = dims
+
+    def __getattr__(self, name):
+        return getattr(self._dims, name)
+
+
+def _shard_only(parallelize_fn):
+    @functools.wraps(parallelize_fn)
+    def parallelize(model, *, parallel_dims, **kwargs):
+        return parallelize_fn(model, parallel_dims=_ShardOnlyDims(parallel_dims), **kwargs)
+
+    return parallelize
+
+
 class GiftTrainer(_GiftCounters, Trainer):
+    """HSDP (``data_parallel_replicate_degree > 1``) with ``[gift] enabled``: FSDP2 shards over
+    ``fsdp`` and the replicate all-reduce is GIFT's, in FP8 (``gift_compile.fsdp``)."""
+
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         gift: GiftSection = field(default_factory=GiftSection)
         """GIFT gradient communication (``--gift.<field>``, TOML ``[gift]``)."""
 
     def __init__(self, config: GiftTrainer.Config) -> None:
+        if config.gift.enabled and config.parallelism.data_parallel_replicate_degree > 1:
+            if config.parallelism.spmd_backend != "partial_dtensor":
+                raise ValueError("[gift] with HSDP (parallelism.data_parallel_replicate_degree > 1) needs "
+                                 f"parallelism.spmd_backend = 'partial_dtensor', got {config.parallelism.spmd_backend!r}")
+            spec = config.model_spec
+            config.model_spec = dataclasses.replace(spec, parallelize_fn=_shard_only(spec.parallelize_fn))
         super().__init__(config)
         self._start_gift(config, route="fsdp2")
 
