@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("torchtitan")
 pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
-from gift_compile.testing.titan_jobs import run_job  # noqa: E402
+from gift_compile.testing.titan_jobs import concurrently, run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "llama3_debug_cpu.toml"
@@ -36,8 +36,8 @@ def pass_reports(log: str) -> list[str]:
 
 def test_disabled_gift_leaves_the_graph_unchanged(tmp_path):
     common = ["--training.steps", "1", "--metrics.log_freq", "1", "--compile.debug_graph_passes"]
-    off = run_job(JOB, tmp_path / "off", *common, "--gift.no-enabled").check()
-    stock = run_job(JOB, tmp_path / "stock", *common, "--gift.no-enabled", "--compile.pass_pipeline", "default").check()
+    off, stock = concurrently(lambda: run_job(JOB, tmp_path / "off", *common, "--gift.no-enabled").check(),
+                              lambda: run_job(JOB, tmp_path / "stock", *common, "--gift.no-enabled", "--compile.pass_pipeline", "default").check())
     assert off.applied_passes() == stock.applied_passes() and off.applied_passes()
     assert "gift_joint_graph_pass" not in off.applied_passes()
     reports = pass_reports(off.log)  # both ranks report: their lines interleave differently per run
@@ -73,10 +73,11 @@ def test_resuming_an_auto_run_needs_its_chosen_layers(auto_run, tmp_path):
     for name in ("again_auto", "explicit"):
         shutil.copytree(auto_run.dump_folder / "checkpoint" / "step-3", tmp_path / name / "checkpoint" / "step-3")
     resume = ["--training.steps", "4", "--checkpoint.load_step", "3"]
-    again = run_job(JOB, tmp_path / "again_auto", *resume, *AUTO)
+    again, explicit = concurrently(lambda: run_job(JOB, tmp_path / "again_auto", *resume, *AUTO),
+                                   lambda: run_job(JOB, tmp_path / "explicit", *resume, *CHECKPOINT, "--gift.layers", ",".join(chosen)))
     assert again.returncode != 0
     assert "checkpoint holds state for the whitened layers" in again.log and "layers_file" in again.log
-    explicit = run_job(JOB, tmp_path / "explicit", *resume, *CHECKPOINT, "--gift.layers", ",".join(chosen)).check()
+    explicit.check()
     assert explicit.series("loss").keys() == {4}
     assert explicit.series("loss")[4] == pytest.approx(auto_run.series("loss")[4], rel=1e-4)
 
@@ -84,8 +85,8 @@ def test_resuming_an_auto_run_needs_its_chosen_layers(auto_run, tmp_path):
 def test_one_rank_runs_and_equals_the_plain_run(tmp_path):
     # One rank has nothing to communicate: GIFT says so once and changes nothing.
     common = ["--nproc", "1", "--training.steps", "2", "--metrics.log_freq", "1", "--debug.seed", "0"]
-    gift = run_job(JOB, tmp_path / "gift", *common).check()
-    plain = run_job(JOB, tmp_path / "plain", *common, "--gift.no-enabled").check()
+    gift, plain = concurrently(lambda: run_job(JOB, tmp_path / "gift", *common).check(),
+                               lambda: run_job(JOB, tmp_path / "plain", *common, "--gift.no-enabled").check())
     assert gift.losses() == plain.losses() and len(gift.losses()) == 2
     assert gift.log.count("one rank has nothing to communicate") == 1
 
@@ -107,7 +108,10 @@ def test_a_dead_or_hung_rank_ends_the_job(tmp_path, fault):
     timeout_s = 8
     command = [sys.executable, "-m", "gift_compile.titan_integration.launcher", str(JOB), "--dump_folder", str(tmp_path / "run"),
                "--training.steps", "200", "--metrics.log_freq", "1", "--comm.train_timeout_seconds", str(timeout_s)]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # torchrun gives ranks 30 s after SIGTERM before SIGKILL, which a stopped rank cannot act
+    # on; its own TORCH_ELASTIC_SHUTDOWN_TIMEOUT shortens that wait.
+    env = dict(os.environ, TORCH_ELASTIC_SHUTDOWN_TIMEOUT="3")
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         metrics = tmp_path / "run" / "gift_metrics.jsonl"
         deadline = time.time() + 300

@@ -14,7 +14,7 @@ pytest.importorskip("torchtitan")
 pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
 from gift_compile.testing.ranks import free_port  # noqa: E402
-from gift_compile.testing.titan_jobs import resume, run_job, run_nodes, write_job  # noqa: E402
+from gift_compile.testing.titan_jobs import concurrently, resume, run_job, run_nodes, write_job  # noqa: E402
 
 STEPS = 20
 GIFT = {"enabled": True, "meter_interval": 5}
@@ -24,8 +24,8 @@ GIFT = {"enabled": True, "meter_interval": 5}
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("standard")
     job = write_job(tmp / "job.toml", "llama3_debug_standard", steps=STEPS, gift=GIFT, nproc=1, checkpoint_every=10)
-    gift = run_nodes(job, tmp / "gift", 2, free_port()).check()
-    fp32 = run_job(job, tmp / "fp32", "--nproc", "2", "--gift.no-enabled", "--checkpoint.no-enable").check()
+    gift, fp32 = concurrently(lambda: run_nodes(job, tmp / "gift", 2, free_port()).check(),
+                              lambda: run_job(job, tmp / "fp32", "--nproc", "2", "--gift.no-enabled", "--checkpoint.no-enable").check())
     # The resume runs as two nodes too: one rank per node gets torch's default thread count
     # (torchrun sets OMP_NUM_THREADS=1 only for several ranks per node), and other reduction
     # orders would change the state's last bits.
@@ -77,12 +77,22 @@ def test_checkpoint_restores_the_gift_state(runs):
         assert resumed.counters(rank)["residual_norm"] == pytest.approx(gift.counters(rank)["residual_norm"], rel=1e-4)
 
 
-def test_auto_selection_works_on_the_standard_trainer(tmp_path):
-    job = write_job(tmp_path / "job.toml", "llama3_debug_standard", steps=4,
+def test_auto_selection_and_hsdp_on_the_standard_trainer(tmp_path):
+    # 4 ranks as HSDP (2 replicas x 2 shards): FSDP2 shards over dp_shard, GIFT's all-reduce
+    # hook reduces each shard across the replicas in FP8 (unit-tested in test_fsdp.py).
+    job = write_job(tmp_path / "job.toml", "llama3_debug_standard", steps=4, nproc=4,
                     gift={"enabled": True, "layers": "auto", "auto_profile_steps": 2})
-    run = run_job(job, tmp_path / "auto").check()
-    counters = run.counters(0)
-    assert counters["chosen"] and counters["switched_at"] == 3
-    assert {fqn for fqn, c in counters["layers"].items() if c["path"] == "gift"} == set(counters["chosen"])
-    assert all(counters["layers"][fqn]["steps"] == 2 for fqn in counters["chosen"])  # whitened from step 3 on
+    run = run_job(job, tmp_path / "auto", "--parallelism.data_parallel_replicate_degree", "2").check()
+    assert "dp_replicate=2, dp_shard=2" in run.log
+    for rank in range(4):
+        counters = run.counters(rank)
+        assert counters["chosen"] and counters["switched_at"] == 3
+        assert {fqn for fqn, c in counters["layers"].items() if c["path"] == "gift"} == set(counters["chosen"])
+        assert all(counters["layers"][fqn]["steps"] == 2 for fqn in counters["chosen"])  # whitened from step 3 on
+        replicas = {fqn.removesuffix("@replicate"): c for fqn, c in counters["layers"].items() if fqn.endswith("@replicate")}
+        assert set(replicas) == {fqn for fqn in counters["layers"] if not fqn.endswith("@replicate")}  # every 2-D gradient
+        # Counted since the switch at step 3, as every layer (the profile's counters are cleared).
+        assert all(c["path"] == "fp8" and c["steps"] == 2 and c["bytes_sent"] > 0 for c in replicas.values())
     assert run.series("gift/profiling") == {1: 1, 2: 1, 3: 0, 4: 0}
+    # Both dimensions in FP8: a quarter of what fp32 sends over the shards and the replicas.
+    assert run.last("gift/bytes_ratio_vs_fp32") <= 0.26

@@ -3,7 +3,7 @@
 :func:`run_job` launches ``gift-titan`` in a subprocess on a job file plus overrides, with its
 own dump folder, and returns a :class:`JobResult`: the exit code, the log, and the records of
 ``gift_metrics.jsonl`` / ``gift_counters_rank*.json``. :func:`run_nodes` runs the job as the
-nodes of a multi-node job, all on this machine.
+nodes of a multi-node job, all on this machine; :func:`concurrently` runs independent jobs at once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,14 @@ def run_nodes(job: str | Path, dump_folder: str | Path, nnodes: int, port: int, 
     return _result(returncode, "".join(f"== node {i} ==\n{text}" for i, text in enumerate(logs)), dump_folder, start)
 
 
+def concurrently(*jobs: Callable[[], JobResult]) -> list[JobResult]:
+    """Run independent jobs (``lambda: run_job(...)``) at the same time; results in call order.
+    A job leaves cores idle for seconds at a time (the launcher's single-threaded check,
+    torchtitan's closing sleep, ranks waiting on each other): another job's ranks use them."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return [future.result() for future in [pool.submit(job) for job in jobs]]
+
+
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
@@ -137,4 +147,4 @@ def read_counters(dump_folder: Path) -> dict[int, dict[str, Any]]:
     return {int(f.stem.removeprefix("gift_counters_rank")): json.loads(f.read_text()) for f in files}
 
 
-__all__ = ["JobResult", "read_counters", "read_records", "resume", "run_job", "run_nodes", "write_job"]
+__all__ = ["JobResult", "concurrently", "read_counters", "read_records", "resume", "run_job", "run_nodes", "write_job"]
