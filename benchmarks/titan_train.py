@@ -1,7 +1,8 @@
-"""torchtitan Llama-3 debug model on 2 CPU ranks: FP32 vs bf16 vs Euclidean FP8 vs GIFT gradients,
+"""torchtitan Llama-3 debug model on CPU ranks: FP32 vs bf16 vs Euclidean FP8 vs GIFT gradients,
 on both trainers.
 
     python benchmarks/titan_train.py [--steps 300] [--variants fp32,bf16,fp8,gift] [--trainers graph,standard]
+                                     [--results titan_train]
 
 Each row is the same gift-titan job (examples/llama3_debug_cpu.toml, seed 0) trained on
 WikiText-2 test.txt and validated on valid.txt (../shared/data), on one of two trainers:
@@ -9,6 +10,8 @@ WikiText-2 test.txt and validated on valid.txt (../shared/data), on one of two t
 - graph:    torchtitan's graph_trainer (SimpleFSDP, joint graph, the ``gift`` pass pipeline)
 - standard: torchtitan's standard trainer (FSDP2 fully_shard per block; GIFT owns each block's
             reduce-scatter, gift_compile.fsdp)
+- standard_hsdp: the same on 4 ranks as HSDP, 2 replicas x 2 shards (GIFT also owns the
+            replicas' all-reduce); not in the default set
 
 and differing only in how gradients travel:
 
@@ -21,7 +24,7 @@ and differing only in how gradients travel:
 
 Prints a table (final train loss = mean of the last 10 steps, validation loss / perplexity at
 the end, tokens/s, gradient bytes per step per rank and the statistics' bytes, peak RSS of
-rank 0) and writes benchmarks/results/titan_train.md and benchmarks/results/titan_loss.png.
+rank 0) and writes benchmarks/results/<results>.md and <results>_loss.png.
 """
 
 from __future__ import annotations
@@ -50,7 +53,12 @@ VARIANTS = {
     "gift": ["--gift.layers", "wqkv,wo"],
     "gift_w2": ["--gift.layers", "w2"],
 }
-TRAINERS = {"graph": "llama3_debug", "standard": "llama3_debug_standard"}
+# name -> (config, ranks, extra flags)
+TRAINERS = {
+    "graph": ("llama3_debug", 2, []),
+    "standard": ("llama3_debug_standard", 2, []),
+    "standard_hsdp": ("llama3_debug_standard", 4, ["--nproc", "4", "--parallelism.data_parallel_replicate_degree", "2"]),
+}
 
 
 def common_flags(steps: int, val_steps: int) -> list[str]:
@@ -95,17 +103,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--val-steps", type=int, default=20)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--trainers", default=",".join(TRAINERS))
+    parser.add_argument("--trainers", default="graph,standard")
+    parser.add_argument("--results", default="titan_train", help="file stem under benchmarks/results/")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "titan_bench"))
     args = parser.parse_args()
     if not (DATA / "wikitext-2" / "test.txt").is_file():
         sys.exit(f"needs WikiText-2 and the tokenizer under {DATA}")
-    tokens_per_step = 2 * 2 * 256  # ranks x local batch x seq_len (the job's defaults)
-    rows, curves = [], {}
+    rows, curves, world = [], {}, set()
     for trainer in args.trainers.split(","):
+        config, ranks, extra = TRAINERS[trainer]
+        tokens_per_step = ranks * 2 * 256  # ranks x local batch x seq_len (the job's defaults)
+        world.add(ranks)
         for name in args.variants.split(","):
             print(f"== {trainer} / {name}: {args.steps} steps", flush=True)
-            flags = ["--launch.config", TRAINERS[trainer], *common_flags(args.steps, args.val_steps), *VARIANTS[name]]
+            flags = ["--launch.config", config, *extra, *common_flags(args.steps, args.val_steps), *VARIANTS[name]]
             run = run_job(JOB, Path(args.out) / f"{trainer}-{name}", *flags).check()
             rows.append(summarize((trainer, name), run, tokens_per_step))
             curves[f"{trainer}/{name}"] = run.series("loss")
@@ -116,8 +127,10 @@ def main() -> None:
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
     note = (f"Llama-3 debug model (6.2M), torchtitan 0.3.0, graph_trainer (SimpleFSDP) and the standard trainer "
-            f"(FSDP2), 2 CPU ranks (gloo), WikiText-2, {args.steps} steps, batch 2x256 tokens per rank, seed 0.\n\n")
-    (RESULTS / "titan_train.md").write_text(note + tabulate(rows, headers=headers, tablefmt="github") + "\n")
+            f"(FSDP2), {' / '.join(map(str, sorted(world)))} CPU ranks (gloo), WikiText-2, {args.steps} steps, "
+            f"batch 2x256 tokens per rank, seed 0.\n\n")
+    md, png = RESULTS / f"{args.results}.md", RESULTS / f"{args.results}_loss.png"
+    md.write_text(note + tabulate(rows, headers=headers, tablefmt="github") + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -129,11 +142,11 @@ def main() -> None:
         ax.plot(steps, [series[s] for s in steps], label=name, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss")
-    ax.set_title("Llama-3 debug, 2 ranks, WikiText-2: gradient communication")
+    ax.set_title("Llama-3 debug, WikiText-2: gradient communication")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "titan_loss.png", dpi=120)
-    print(f"wrote {RESULTS / 'titan_train.md'} and {RESULTS / 'titan_loss.png'}")
+    fig.savefig(png, dpi=120)
+    print(f"wrote {md} and {png}")
 
 
 if __name__ == "__main__":
