@@ -3,7 +3,8 @@
 2-rank CPU runs of the Llama-3 debug model on the bundled corpus: a 20-step GIFT run (a
 checkpoint at step 10) launched as a two-node job (two ``gift-titan --nnodes 2 --node-rank
 {0,1}`` processes, one rank each, sharing a master address), the same job on one node with
-GIFT off (fp32 gradients), and a two-node resume of the GIFT run from its checkpoint.
+GIFT off (fp32 gradients), and a two-node resume of the GIFT run from its checkpoint; and a
+4-rank HSDP run (2 replicas x 2 shards) with ``layers = "auto"``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ def runs(tmp_path_factory):
     job = write_job(tmp / "job.toml", "llama3_debug_standard", steps=STEPS, gift=GIFT, nproc=1, checkpoint_every=10)
     gift, fp32 = concurrently(lambda: run_nodes(job, tmp / "gift", 2, free_port()).check(),
                               lambda: run_job(job, tmp / "fp32", "--nproc", "2", "--gift.no-enabled", "--checkpoint.no-enable").check())
-    # The resume runs as two nodes too: one rank per node gets torch's default thread count
-    # (torchrun sets OMP_NUM_THREADS=1 only for several ranks per node), and other reduction
-    # orders would change the state's last bits.
+    # The resume runs as two nodes too: the same layout and thread count (run_nodes), so the
+    # same reduction order and the state's last bits.
     return gift, fp32, resume(gift, job, tmp / "resumed", 10, nodes=2)
 
 
