@@ -163,8 +163,8 @@ class FsdpRoute:
 class GiftReduceScatter(ReduceScatter):
     """The reduce-scatter of one FSDP parameter group (module docstring)."""
 
-    def __init__(self, segments: list[Segment], namespace: str, replicate_group: dist.ProcessGroup | None = None) -> None:
-        self.segments, self.namespace, self.replicate_group = segments, namespace, replicate_group
+    def __init__(self, segments: list[Segment], namespace: str) -> None:
+        self.segments, self.namespace = segments, namespace
         self._op = "avg"  # the last reduce-scatter's op: the replicate all-reduce continues it
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -200,7 +200,7 @@ class GiftReduceScatter(ReduceScatter):
         """FSDP's all-reduce hook (HSDP's replicate dimension): reduce this rank's shard of every
         parameter across the replicas, in place (module docstring)."""
         runtime = get_runtime(self.namespace)
-        group = self.replicate_group
+        group = FsdpRoute.of(runtime).replicate_group
         for segment in self.segments:
             flat = reduce_output[segment.offset : segment.offset + segment.numel]
             shard = flat.view(segment.shard_rows, segment.cols) if len(segment.shape) > 1 else flat
@@ -230,8 +230,8 @@ class GiftReduceScatter(ReduceScatter):
         else:  # a dense wire: the collective alone, nothing to compile
             reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective=collective)
         if len(segment.shape) > 1:  # counted on every wire, fp32 included: the bytes metrics sum these
-            shape = tuple(grad.shape) if collective == "all_reduce" else segment.shape
-            nbytes = bytes_sent(shape, dist.get_world_size(group), wire, collective, runtime.config.all_gather_dtype)
+            # what this rank reduces: its whole gradient (reduce-scatter) or its shard (all-reduce)
+            nbytes = bytes_sent(tuple(grad.shape), dist.get_world_size(group), wire, collective, runtime.config.all_gather_dtype)
             runtime.record_euclidean(key, wire.dtype, reduction.stats, nbytes)
         return reduction.output
 
@@ -335,7 +335,7 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
                                  "GIFT whitens the reduce-scatter; shard over more than one rank")
             continue  # FSDP does not reduce-scatter over one rank (it copies): nothing to send
         route.segments += segments
-        comm = GiftReduceScatter(segments, namespace, replicate_group)
+        comm = GiftReduceScatter(segments, namespace)
         module.set_custom_reduce_scatter(comm)
         if replicate_group is not None:
             module.set_all_reduce_hook(comm.all_reduce)
