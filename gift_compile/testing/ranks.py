@@ -15,13 +15,19 @@ re-raised in the caller with that rank's traceback.
   and the GIFT runtimes are forgotten, so no call sees another's compiled graphs or state;
   a failed call takes the pool down (its peers may be stuck in a collective) and the next
   call starts a fresh one.
+
+A rank that dies (a crash in native code, a kill) fails the call within a second, with its
+exit code, instead of leaving the caller waiting for the timeout.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import queue
+import signal
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -74,6 +80,14 @@ def _run_isolated(fn: Callable, rank: int, world: int, args: tuple) -> Any:
         os.environ.update(environ)
 
 
+def _exit_now(results) -> None:
+    """End a worker once its results are flushed, without finalizing the interpreter: with torch
+    imported that takes seconds per process, and a pool's ranks all end at the same time."""
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, threads: int, backend: str) -> None:
     try:
         _join_group(rank, world, port, threads, backend)
@@ -83,6 +97,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
             dist.destroy_process_group()
     except BaseException:  # report every failure, including KeyboardInterrupt-like exits
         results.put((rank, "error", traceback.format_exc()))
+    _exit_now(results)
 
 
 def _pool_worker(rank: int, world: int, port: int, tasks, results, threads: int, backend: str) -> None:
@@ -90,7 +105,7 @@ def _pool_worker(rank: int, world: int, port: int, tasks, results, threads: int,
         _join_group(rank, world, port, threads, backend)
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
-        return
+        _exit_now(results)
     while (task := tasks.get()) is not None:
         fn, args = task
         try:
@@ -98,18 +113,38 @@ def _pool_worker(rank: int, world: int, port: int, tasks, results, threads: int,
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+    _exit_now(results)
 
 
-def _collect(results, world: int, timeout: float) -> tuple[dict[int, Any], list[str]]:
+def _exit_description(code: int) -> str:
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _collect(results, procs: list, timeout: float) -> tuple[dict[int, Any], list[str]]:
+    """One result per rank of ``procs``; stops at the first error, a rank that died, or ``timeout``."""
     collected: dict[int, Any] = {}
     errors: list[str] = []
-    for _ in range(world):
-        rank, status, value = results.get(timeout=timeout)
+    deadline = time.monotonic() + timeout
+    dead_before: set[int] = set()
+    while len(collected) < len(procs) and not errors:
+        try:
+            rank, status, value = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = {r for r, p in enumerate(procs) if r not in collected and p.exitcode is not None}
+            # Dead for a whole quiet second: a result it flushed just before exiting has arrived by now.
+            if dead & dead_before:
+                errors += [f"rank {r} died ({_exit_description(procs[r].exitcode)}) before returning a result" for r in sorted(dead)]
+            elif time.monotonic() > deadline:
+                errors.append(f"ranks {sorted(set(range(len(procs))) - set(collected))} returned nothing within {timeout:.0f} s")
+            dead_before = dead
+            continue
         if status == "error":
             # Peers of a failed rank would block in their next collective: stop now.
             errors.append(f"rank {rank} failed:\n{value}")
-            break
-        collected[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own workers' results
+        else:
+            collected[rank] = torch.load(io.BytesIO(value), weights_only=False)  # our own workers' results
     return collected, errors
 
 
@@ -133,7 +168,7 @@ def run_on_ranks(
         p.start()
     errors: list[str] = []
     try:
-        collected, errors = _collect(results, world, timeout)
+        collected, errors = _collect(results, procs, timeout)
     finally:
         for p in procs:
             p.join(timeout=0 if errors else 30)
@@ -171,7 +206,7 @@ class RankPool:
         for tasks in self._tasks:
             tasks.put((fn, args))
         try:
-            collected, errors = _collect(self._results, self.world, timeout)
+            collected, errors = _collect(self._results, self._procs, timeout)
         except BaseException:
             self.close(kill=True)
             raise
