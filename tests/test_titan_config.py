@@ -167,10 +167,19 @@ def test_bad_launch_settings_are_refused_before_anything_runs(tmp_path, capsys, 
         ("layers = 5", "GiftConfig.layers=5 is invalid"),
         ("damping = true", "GiftConfig.damping=True is invalid"),
         ('layers_file = "../../x.toml"', "gift.layers_file='../../x.toml' is invalid"),
+        ("compile_codec = 1", "gift.compile_codec=1 is invalid; it must be a bool"),
+        ("compile_codec = false", "gift.compile_codec=False is for the standard trainer"),  # the default job is graph_trainer
     ],
 )
 def test_loose_gift_values_name_their_field(tmp_path, capsys, gift, message):
     assert message in refusal(tmp_path, capsys, f"[gift]\nenabled = true\n{gift}\n")
+
+
+def test_the_standard_trainer_takes_an_eager_codec(tmp_path, capsys):
+    job = tmp_path / "job.toml"
+    job.write_text('[launch]\nconfig = "llama3_debug_standard"\n[gift]\nenabled = true\ncompile_codec = false\n')
+    assert launcher.main([str(job), "--dry-run"]) == 0
+    assert "--gift.no-compile_codec" in capsys.readouterr().out
 
 
 def test_a_pattern_matching_no_layer_stops_the_launch_before_any_rank(tmp_path, capsys):

@@ -1,13 +1,16 @@
 """torchtitan's standard trainer (FSDP2 ``fully_shard`` per block) with ``[gift] enabled = true``.
 
-2-rank CPU runs of the Llama-3 debug model on the bundled corpus: a 20-step GIFT run (a
-checkpoint at step 10) launched as a two-node job (two ``gift-titan --nnodes 2 --node-rank
-{0,1}`` processes, one rank each, sharing a master address), the same job on one node with
-GIFT off (fp32 gradients), and a two-node resume of the GIFT run from its checkpoint; and a
-4-rank HSDP run (2 replicas x 2 shards) with ``layers = "auto"``.
+CPU runs of the Llama-3 debug model on the bundled corpus: a 10-step GIFT run (a checkpoint
+at step 5, the codec compiled) launched as a two-node job (two ``gift-titan --nnodes 2
+--node-rank {0,1}`` processes, one rank each, sharing a master address) beside the same job
+on one node with GIFT off (fp32 gradients); then, side by side, a two-node resume of the GIFT
+run from its checkpoint and a 4-rank HSDP run (2 replicas x 2 shards) with ``layers = "auto"``
+and the codec eager (``compile_codec = false``: the same bits, no compile per shape).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -15,25 +18,37 @@ pytest.importorskip("torchtitan")
 pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
 from gift_compile.testing.ranks import free_port  # noqa: E402
-from gift_compile.testing.titan_jobs import concurrently, resume, run_job, run_nodes, write_job  # noqa: E402
+from gift_compile.testing.titan_jobs import JobResult, concurrently, resume, run_job, run_nodes, write_job  # noqa: E402
 
-STEPS = 20
+STEPS, CHECKPOINT = 10, 5
 GIFT = {"enabled": True, "meter_interval": 5}
 
 
+@dataclass
+class Runs:
+    gift: JobResult
+    fp32: JobResult
+    resumed: JobResult
+    hsdp: JobResult
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory) -> Runs:
     tmp = tmp_path_factory.mktemp("standard")
-    job = write_job(tmp / "job.toml", "llama3_debug_standard", steps=STEPS, gift=GIFT, nproc=1, checkpoint_every=10)
+    job = write_job(tmp / "job.toml", "llama3_debug_standard", steps=STEPS, gift=GIFT, nproc=1, checkpoint_every=CHECKPOINT)
     gift, fp32 = concurrently(lambda: run_nodes(job, tmp / "gift", 2, free_port()).check(),
                               lambda: run_job(job, tmp / "fp32", "--nproc", "2", "--gift.no-enabled", "--checkpoint.no-enable").check())
     # The resume runs as two nodes too: the same layout and thread count (run_nodes), so the
     # same reduction order and the state's last bits.
-    return gift, fp32, resume(gift, job, tmp / "resumed", 10, nodes=2)
+    hsdp_job = write_job(tmp / "hsdp.toml", "llama3_debug_standard", steps=4, nproc=4,
+                         gift={"enabled": True, "layers": "auto", "auto_profile_steps": 2, "compile_codec": False})
+    resumed, hsdp = concurrently(lambda: resume(gift, job, tmp / "resumed", CHECKPOINT, nodes=2),
+                                 lambda: run_job(hsdp_job, tmp / "hsdp", "--parallelism.data_parallel_replicate_degree", "2").check())
+    return Runs(gift, fp32, resumed, hsdp)
 
 
 def test_two_nodes_run_the_job_to_the_end(runs):
-    gift, *_ = runs
+    gift = runs.gift
     assert [r["step"] for r in gift.records if "loss" in r] == list(range(1, STEPS + 1))
     for node in (0, 1):
         assert f"--nnodes=2 --node_rank={node} --master_addr=127.0.0.1" in gift.log
@@ -41,18 +56,19 @@ def test_two_nodes_run_the_job_to_the_end(runs):
 
 
 def test_loss_decreases_like_the_fp32_run(runs):
-    gift, fp32, _ = runs
+    gift, fp32 = runs.gift, runs.fp32
     ours, theirs = gift.losses(), fp32.losses()
     assert len(ours) == len(theirs) == STEPS
     assert sum(ours[-5:]) / 5 < sum(ours[:5]) / 5 - 0.5, ours
-    # FP8 rounding (0.25x the bytes) perturbs each step's gradient by ~1-2% of its norm: after
-    # 20 steps the loss stays within 2% of the fp32 run's, step by step.
+    # FP8 rounding (0.25x the bytes) perturbs each step's gradient by ~1-2% of its norm: over
+    # these steps the loss stays within 2% of the fp32 run's, step by step.
     for step, (a, b) in enumerate(zip(ours, theirs), 1):
         assert abs(a - b) <= 0.02 * b, (step, a, b)
 
 
 def test_selected_layers_take_the_gift_path_and_bytes_drop_to_a_quarter(runs):
-    gift, _, _ = runs
+    gift = runs.gift
+    assert "GIFT enabled (fsdp2 route)" in gift.log  # the codec compiled (the default)
     attention = {f"layers.{i}.attention.{name}" for i in range(6) for name in ("qkv_linear.wqkv", "wo")}
     for rank in (0, 1):
         counters = gift.counters(rank)
@@ -67,9 +83,9 @@ def test_selected_layers_take_the_gift_path_and_bytes_drop_to_a_quarter(runs):
 
 
 def test_checkpoint_restores_the_gift_state(runs):
-    gift, _, resumed = runs
+    gift, resumed = runs.gift, runs.resumed
     a, b = gift.series("loss"), resumed.series("loss")
-    assert sorted(b) == list(range(11, STEPS + 1))
+    assert sorted(b) == list(range(CHECKPOINT + 1, STEPS + 1))
     for step in b:
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-4), (step, a[step], b[step])
     for rank in (0, 1):
@@ -77,12 +93,11 @@ def test_checkpoint_restores_the_gift_state(runs):
         assert resumed.counters(rank)["residual_norm"] == pytest.approx(gift.counters(rank)["residual_norm"], rel=1e-4)
 
 
-def test_auto_selection_and_hsdp_on_the_standard_trainer(tmp_path):
+def test_auto_selection_and_hsdp_on_the_standard_trainer(runs):
     # 4 ranks as HSDP (2 replicas x 2 shards): FSDP2 shards over dp_shard, GIFT's all-reduce
     # hook reduces each shard across the replicas in FP8 (unit-tested in test_fsdp.py).
-    job = write_job(tmp_path / "job.toml", "llama3_debug_standard", steps=4, nproc=4,
-                    gift={"enabled": True, "layers": "auto", "auto_profile_steps": 2})
-    run = run_job(job, tmp_path / "auto", "--parallelism.data_parallel_replicate_degree", "2").check()
+    run = runs.hsdp
+    assert "GIFT enabled (fsdp2 route, eager codec)" in run.log
     assert "dp_replicate=2, dp_shard=2" in run.log
     for rank in range(4):
         counters = run.counters(rank)

@@ -1,57 +1,78 @@
 """2-rank CPU torchtitan (graph_trainer) runs of the Llama-3 debug model, GIFT on.
 
-One module-scoped 20-step run from a TOML job file with ``[gift] enabled = true`` (checkpoint
-every 10 steps) on the bundled corpus and tokenizer, and one run that resumes from its
-step-10 checkpoint in the same dump folder. About 1.5 minutes on 2 cores.
+One module-scoped 10-step run from a TOML job file with ``[gift] enabled = true`` and
+``layers = "auto"`` (2 profiling steps in Euclidean FP8, then the chosen layers whitened;
+a checkpoint every 5 steps) on the bundled corpus and tokenizer. Then three resumes from its
+step-5 checkpoint, side by side: with the chosen layers in the same dump folder (steps 6-10
+again), with other layers, and with ``"auto"`` again; the last two must be refused.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import tomllib
+from dataclasses import dataclass
 
 import pytest
 
 pytest.importorskip("torchtitan")
-pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
+pytestmark = pytest.mark.slow  # gift-titan jobs: ~1.5 minutes for the module
 
-from gift_compile.testing.titan_jobs import run_job, write_job  # noqa: E402
+from gift_compile.testing.titan_jobs import JobResult, concurrently, run_job, write_job  # noqa: E402
 
-STEPS = 20
+STEPS, CHECKPOINT, PROFILE = 10, 5, 2
+GIFT = {"enabled": True, "layers": "auto", "auto_profile_steps": PROFILE, "meter_interval": 5}
+
+
+@dataclass
+class Runs:
+    first: JobResult
+    chosen: list[str]
+    resumed: JobResult
+    other_layers: JobResult
+    auto_again: JobResult
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory) -> Runs:
     tmp = tmp_path_factory.mktemp("titan")
-    job = write_job(tmp / "job.toml", "llama3_debug", steps=STEPS, checkpoint_every=10,
-                    gift={"enabled": True, "layers": ["w2"], "meter_interval": 5})
+    job = write_job(tmp / "job.toml", "llama3_debug", steps=STEPS, checkpoint_every=CHECKPOINT, gift=GIFT)
     first = run_job(job, tmp / "first").check()
-    return first, run_job(job, first.dump_folder, "--checkpoint.load_step", "10").check(), job
+    chosen = tomllib.loads((first.dump_folder / "gift_layers.toml").read_text())["gift"]["layers"]
+    for name in ("other", "again"):
+        shutil.copytree(first.dump_folder / "checkpoint" / f"step-{CHECKPOINT}", tmp / name / "checkpoint" / f"step-{CHECKPOINT}")
+    load = ("--checkpoint.load_step", str(CHECKPOINT))
+    resumed, other, again = concurrently(
+        lambda: run_job(job, first.dump_folder, *load, "--gift.layers", ",".join(chosen)).check(),
+        lambda: run_job(job, tmp / "other", *load, "--gift.layers", "wo"),
+        lambda: run_job(job, tmp / "again", *load),
+    )
+    return Runs(first, chosen, resumed, other, again)
 
 
 def test_loss_decreases(runs):
-    first, *_ = runs
-    losses = first.losses()
+    losses = runs.first.losses()
     assert len(losses) == STEPS
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
 
 
-def test_gift_path_is_active_on_the_selected_layers(runs):
-    first, *_ = runs
-    expected = [f"layers.{i}.feed_forward.w2" for i in range(6)]
+def test_auto_profiles_then_whitens_the_chosen_layers(runs):
+    first, chosen = runs.first, runs.chosen
+    assert chosen, first.log[-3000:]
+    assert first.series("gift/profiling") == {step: int(step <= PROFILE) for step in range(1, STEPS + 1)}
+    assert first.series("gift/layers") == {step: 0 if step <= PROFILE else len(chosen) for step in range(1, STEPS + 1)}
     for rank in (0, 1):
         counters = first.counters(rank)
-        assert sorted(counters["chosen"]) == expected
-        gift = {fqn for fqn, c in counters["layers"].items() if c["path"] == "gift"}
-        assert gift == set(expected)
-        for fqn in expected:
+        assert counters["chosen"] == chosen and counters["switched_at"] == PROFILE + 1
+        assert {fqn for fqn, c in counters["layers"].items() if c["path"] == "gift"} == set(chosen)
+        for fqn in chosen:  # counted since the switch (the profile's counters are cleared)
             c = counters["layers"][fqn]
-            assert c["steps"] == STEPS and c["bytes_sent"] > 0 and c["stats_bytes"] > 0
+            assert c["steps"] == STEPS - PROFILE and c["bytes_sent"] > 0 and c["stats_bytes"] > 0
             assert c["last_rel_error"] < 0.05  # e4m3 mantissa floor is ~2.6e-2
-            assert c["error_vs_fp8"] is not None  # the live meter read at steps 0, 5, 10, 15
-        others = {c["path"] for fqn, c in counters["layers"].items() if fqn not in expected}
+            assert c["error_vs_fp8"] is not None  # the live meter read at the first whitened step
+        others = {c["path"] for fqn, c in counters["layers"].items() if fqn not in chosen}
         assert others == {"fp8"}  # every other Linear (and the embedding) as Euclidean FP8
-    assert first.last("gift/layers") == 6
     assert first.last("gift/bytes_per_step/gift") > 0
     assert first.last("gift/error_vs_fp8") is not None and first.last("gift/stats_bytes_per_step") > 0
 
@@ -59,14 +80,13 @@ def test_gift_path_is_active_on_the_selected_layers(runs):
 def test_cuda_graph_pass_is_kept_away_from_the_gift_ops(runs):
     # graph_trainer's default pipeline ends with cudagraph_pass (it only skips itself at run
     # time when every op is a CPU op); its replays would skip the gift:: ops' Python.
-    first, *_ = runs
-    applied = set(re.findall(r"\b\d+\. (\w+_pass)\b", first.log))
+    applied = set(runs.first.applied_passes())
     assert "gift_joint_graph_pass" in applied
     assert "cudagraph_pass" not in applied
 
 
 def test_gradient_bytes_at_most_026x_fp32(runs):
-    first, *_ = runs
+    first = runs.first
     total, fp32 = first.last("gift/bytes_per_step"), first.last("gift/bytes_per_step_fp32")
     # fp32 baseline: what the same job's gradient collectives send in fp32 (ring bytes per rank)
     assert fp32 == pytest.approx(6_160_000 * 4 / 2, rel=0.02)
@@ -75,26 +95,33 @@ def test_gradient_bytes_at_most_026x_fp32(runs):
 
 
 def test_checkpoint_restores_gift_state(runs):
-    # The resume ran steps 11-20 again in the first run's folder: its own log shows just those,
-    # the metrics file holds every step once, and steps 11-20 reproduce the first run's losses.
-    first, resumed, _ = runs
-    assert "Loading the checkpoint from" in resumed.log or "load" in resumed.log.lower()
-    assert sorted({int(s) for s in re.findall(r"step:\s+(\d+)", resumed.log)}) == list(range(11, STEPS + 1))
+    # The resume ran steps 6-10 again in the first run's folder, whitening the layers the
+    # first run chose: its own log shows just those steps, the metrics file holds every step
+    # once, and steps 6-10 reproduce the first run's losses and final GIFT state.
+    first, resumed = runs.first, runs.resumed
+    assert sorted({int(s) for s in re.findall(r"step:\s+(\d+)", resumed.log)}) == list(range(CHECKPOINT + 1, STEPS + 1))
     assert [r["step"] for r in resumed.records if "loss" in r] == list(range(1, STEPS + 1))
     a, b = first.series("loss"), resumed.series("loss")
-    for step in range(11, STEPS + 1):
+    for step in range(CHECKPOINT + 1, STEPS + 1):
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-4), (step, a[step], b[step])
     for rank in (0, 1):
         ca, cb = first.counters(rank), resumed.counters(rank)
-        assert cb["state_steps"] == ca["state_steps"] == {f"layers.{i}.feed_forward.w2": STEPS for i in range(6)}
+        assert cb["state_steps"] == ca["state_steps"] == {fqn: STEPS - PROFILE for fqn in runs.chosen}
         assert cb["state_checksum"] == pytest.approx(ca["state_checksum"], rel=1e-6)
         assert cb["residual_norm"] == pytest.approx(ca["residual_norm"], rel=1e-4)
 
 
-def test_resuming_with_other_layers_says_which(runs, tmp_path):
-    first, _, job = runs
-    shutil.copytree(first.dump_folder / "checkpoint" / "step-10", tmp_path / "other" / "checkpoint" / "step-10")
-    other = run_job(job, tmp_path / "other", "--checkpoint.load_step", "10", "--gift.layers", "wo")
+def test_resuming_with_other_layers_says_which(runs):
+    other = runs.other_layers
     assert other.returncode != 0
-    assert "the checkpoint holds state for the whitened layers ['layers.0.feed_forward.w2'" in other.log
+    assert f"the checkpoint holds state for the whitened layers {runs.chosen}" in other.log
     assert "but this run whitens ['layers.0.attention.wo'" in other.log
+
+
+def test_resuming_an_auto_run_needs_its_chosen_layers(runs):
+    # Step 5 is past profiling: "auto" again would choose nothing and run without the saved
+    # state. It must fail and say how to resume (the explicit resume above is the way).
+    again = runs.auto_again
+    assert again.returncode != 0
+    assert f"the checkpoint holds state for the whitened layers {runs.chosen}, but this run whitens []" in again.log
+    assert "layers_file" in again.log

@@ -30,6 +30,13 @@ INTEGRATION_FIELDS: dict[str, tuple[type, object, str]] = {
         "(integration) Where layers = auto writes the chosen layers: a file name inside the dump folder; "
         "the file is a [gift] table that a later run can paste or pass to gift-titan.",
     ),
+    "compile_codec": (
+        bool, True,
+        "(integration, standard trainer) Run the FSDP route's FP8 codec compiled by Inductor (one graph per "
+        "parameter shape and path, compiled at the first step) or eagerly: the same bits either way; eager "
+        "skips the first step's compiles and runs each later step slower. graph_trainer compiles the codec "
+        "inside its joint graph and refuses false.",
+    ),
 }
 _SECTION_OVERRIDES: dict[str, tuple[type, object]] = {
     "enabled": (bool, False),
@@ -74,6 +81,19 @@ def to_gift_config(section) -> GiftConfig:
     return GiftConfig(**values)
 
 
+ROUTES = ("graph", "fsdp2")
+"""Where GIFT reaches the gradient collectives: graph_trainer's joint graph, or FSDP2's reduce-scatter."""
+
+
+def check_route(section, route: str) -> None:
+    """Refuse a key that the trainer's route would ignore (a ``ValueError`` naming it)."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if route == "graph" and not section.compile_codec:
+        raise ValueError("gift.compile_codec=False is for the standard trainer (FSDP2 route); graph_trainer "
+                         "compiles the codec inside its joint graph")
+
+
 def normalize_table(values: dict) -> dict:
     """A TOML ``[gift]`` table with deprecated keys renamed (warning) and unknown ones rejected."""
     values = normalize_keys(values, "[gift]", section_field_names())
@@ -98,4 +118,4 @@ def section_from_dict(values: dict):
     return section
 
 
-__all__ = ["GiftSection", "INTEGRATION_FIELDS", "normalize_table", "section_field_names", "section_from_dict", "to_gift_config"]
+__all__ = ["GiftSection", "INTEGRATION_FIELDS", "ROUTES", "check_route", "normalize_table", "section_field_names", "section_from_dict", "to_gift_config"]

@@ -225,10 +225,19 @@ def titan_args(document: dict, settings: dict) -> list[str]:
 
 
 def check_model(config) -> None:
-    """Build the job's model on the meta device (no memory, no ranks) and check the ``[gift]``
-    layer patterns against its Linear layers, so a typo stops the launch, not every rank later."""
+    """Check the ``[gift]`` keys against the trainer's route, and build the job's model on the meta
+    device (no memory, no ranks) to check the layer patterns against its Linear layers, so a
+    typo stops the launch, not every rank later."""
     gift = getattr(config, "gift", None)
-    if gift is None or not gift.enabled or list(gift.layers) == ["auto"]:
+    if gift is None or not gift.enabled:
+        return
+    from gift_compile.titan_integration.config import check_route
+
+    try:
+        check_route(gift, config.gift_route)
+    except ValueError as error:
+        raise JobError(str(error)) from None
+    if list(gift.layers) == ["auto"]:
         return
     from torch import nn
 

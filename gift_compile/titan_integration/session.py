@@ -34,7 +34,7 @@ from gift_compile.runtime import GiftRuntime, register_runtime
 from gift_compile.selection import select_layers
 from gift_compile.titan_integration import autoselect
 from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState, explain_failed_loads
-from gift_compile.titan_integration.config import GiftSection, to_gift_config
+from gift_compile.titan_integration.config import GiftSection, check_route, to_gift_config
 from gift_compile.titan_integration.graph_pass import (
     NAMESPACE, PIPELINE_NAME, GraphAccounting, PassContext, disable_incompatible_passes, get_pass_context, set_pass_context,
 )
@@ -88,11 +88,12 @@ class GraphRoute:
 class Fsdp2Route:
     """The standard trainer: FSDP2's reduce-scatter of each block is ``fsdp.GiftReduceScatter``."""
 
-    def __init__(self, trainer, runtime: GiftRuntime, embedding_dtype: str) -> None:
+    def __init__(self, trainer, runtime: GiftRuntime, section: GiftSection) -> None:
         self.model = trainer.model_parts[0]
         dims = trainer.parallel_dims
         replicas = dims.get_mesh("dp_replicate").get_group() if dims.dp_replicate_enabled else None
-        self.route = fsdp.install(self.model, runtime, NAMESPACE, embedding_dtype=embedding_dtype, replicate_group=replicas)
+        self.route = fsdp.install(self.model, runtime, NAMESPACE, embedding_dtype=section.embedding_dtype,
+                                  replicate_group=replicas, compile_codec=section.compile_codec)
         self._accounting = self._count()
 
     def select(self, config: GiftConfig, chosen: list[str], embedding_dtype: str, *, retrace: bool) -> None:
@@ -122,6 +123,7 @@ class Fsdp2Route:
 
 class GiftSession:
     def __init__(self, trainer, section: GiftSection, route: str = "graph") -> None:
+        check_route(section, route)
         self.trainer = trainer
         self.section = section
         self.config = to_gift_config(section)
@@ -132,7 +134,7 @@ class GiftSession:
         self.chosen: list[str] = [] if self.auto else select_layers(list(self.shapes), self.config.layers)
         self.profile_table: str | None = None
         self.switched_at: int | None = None
-        self.route = GraphRoute(trainer) if route == "graph" else Fsdp2Route(trainer, self.runtime, section.embedding_dtype)
+        self.route = GraphRoute(trainer) if route == "graph" else Fsdp2Route(trainer, self.runtime, section)
         self._create_layer_states(self.chosen)
         self.route.select(self._wire_config(), self.chosen, section.embedding_dtype, retrace=False)
         if getattr(trainer.checkpointer, "enable", False):
@@ -140,7 +142,7 @@ class GiftSession:
             explain_failed_loads(trainer.checkpointer, self.runtime)
         self._wrap_metrics(trainer.metrics_processor)
         log.info(
-            "GIFT enabled (%s route): %s; layers %s", route, self.config,
+            "GIFT enabled (%s route%s): %s; layers %s", route, "" if section.compile_codec else ", eager codec", self.config,
             f"auto (profiling {self.config.auto_profile_steps} steps)" if self.auto else self.chosen,
         )
 

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch.distributed as dist
 from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
@@ -53,8 +54,8 @@ class _GiftCounters:
 
     gift_session: GiftSession | None
 
-    def _start_gift(self, config, route: str) -> None:
-        self.gift_session = GiftSession(self, config.gift, route=route) if config.gift.enabled else None
+    def _start_gift(self, config) -> None:
+        self.gift_session = GiftSession(self, config.gift, route=config.gift_route) if config.gift.enabled else None
         if self.gift_session is None:
             _wrap_loss_recording(self)
 
@@ -73,12 +74,13 @@ class GiftGraphTrainer(_GiftCounters, GraphTrainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(GraphTrainer.Config):
+        gift_route: ClassVar[str] = "graph"
         gift: GiftSection = field(default_factory=GiftSection)
         """GIFT gradient communication (``--gift.<field>``, TOML ``[gift]``)."""
 
     def __init__(self, config: GiftGraphTrainer.Config) -> None:
         super().__init__(config)
-        self._start_gift(config, route="graph")
+        self._start_gift(config)
 
 
 class _ShardOnlyDims:
@@ -109,6 +111,7 @@ class GiftTrainer(_GiftCounters, Trainer):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
+        gift_route: ClassVar[str] = "fsdp2"
         gift: GiftSection = field(default_factory=GiftSection)
         """GIFT gradient communication (``--gift.<field>``, TOML ``[gift]``)."""
 
@@ -120,7 +123,7 @@ class GiftTrainer(_GiftCounters, Trainer):
             spec = config.model_spec
             config.model_spec = dataclasses.replace(spec, parallelize_fn=_shard_only(spec.parallelize_fn))
         super().__init__(config)
-        self._start_gift(config, route="fsdp2")
+        self._start_gift(config)
 
     def train_step(self, data_iterator):
         # The standard trainer has no pre-step hook: the ``layers = "auto"`` switch goes here.
