@@ -4,8 +4,8 @@ CPU runs of the Llama-3 debug model on the bundled corpus: a 10-step GIFT run (a
 at step 5, the codec compiled) launched as a two-node job (two ``gift-titan --nnodes 2
 --node-rank {0,1}`` processes, one rank each, sharing a master address) beside the same job
 on one node with GIFT off (fp32 gradients); then, side by side, a two-node resume of the GIFT
-run from its checkpoint and a 4-rank HSDP run (2 replicas x 2 shards) with ``layers = "auto"``
-and the codec eager (``compile_codec = false``: the same bits, no compile per shape).
+run from its checkpoint and a 4-rank HSDP run (2 replicas x 2 shards) with ``layers = "auto"``,
+both with the codec eager (``compile_codec = false``: the same bits, no compile per shape).
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ def runs(tmp_path_factory) -> Runs:
     gift, fp32 = concurrently(lambda: run_nodes(job, tmp / "gift", 2, free_port()).check(),
                               lambda: run_job(job, tmp / "fp32", "--nproc", "2", "--gift.no-enabled", "--checkpoint.no-enable").check())
     # The resume runs as two nodes too: the same layout and thread count (run_nodes), so the
-    # same reduction order and the state's last bits.
+    # same reduction order and the state's last bits. Its codec runs eagerly: the compiled
+    # one must have computed the very same bits, so the resumed steps still match.
     hsdp_job = write_job(tmp / "hsdp.toml", "llama3_debug_standard", steps=4, nproc=4,
                          gift={"enabled": True, "layers": "auto", "auto_profile_steps": 2, "compile_codec": False})
-    resumed, hsdp = concurrently(lambda: resume(gift, job, tmp / "resumed", CHECKPOINT, nodes=2),
+    resumed, hsdp = concurrently(lambda: resume(gift, job, tmp / "resumed", CHECKPOINT, "--gift.no-compile_codec", nodes=2),
                                  lambda: run_job(hsdp_job, tmp / "hsdp", "--parallelism.data_parallel_replicate_degree", "2").check())
     return Runs(gift, fp32, resumed, hsdp)
 
@@ -83,7 +84,10 @@ def test_selected_layers_take_the_gift_path_and_bytes_drop_to_a_quarter(runs):
 
 
 def test_checkpoint_restores_the_gift_state(runs):
+    # The first run compiled its codec, the resume runs it eagerly (same bits, a fresh process
+    # with no compiled graph): steps 6-10 and the final GIFT state must still agree.
     gift, resumed = runs.gift, runs.resumed
+    assert "GIFT enabled (fsdp2 route, eager codec)" in resumed.log
     a, b = gift.series("loss"), resumed.series("loss")
     assert sorted(b) == list(range(CHECKPOINT + 1, STEPS + 1))
     for step in b:
