@@ -22,6 +22,7 @@ exit code, instead of leaving the caller waiting for the timeout.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue
@@ -55,11 +56,13 @@ def _to_bytes(value: Any) -> bytes:
 
 
 def _join_group(rank: int, world: int, port: int, threads: int, backend: str) -> None:
+    faulthandler.enable(all_threads=True)  # a crash in native code still prints every thread's Python stack
     torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    else:  # few CPU cores: a compile-worker pool only adds start-up time
-        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    else:  # few CPU cores: a compile-worker pool only adds start-up time. The environment
+        # variable is read when Inductor's config is imported, which importing this module did.
+        torch._inductor.config.compile_threads = 1
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 

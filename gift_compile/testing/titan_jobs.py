@@ -1,19 +1,23 @@
 """Run a gift-titan job and read back what it wrote (tests and benchmarks).
 
-:func:`run_job` launches ``gift-titan`` in a subprocess on a job file plus overrides, with its
-own dump folder, and returns a :class:`JobResult`: the exit code, the log, and the records of
+:func:`run_job` runs ``gift-titan`` on a job file plus overrides, with its own dump folder,
+and returns a :class:`JobResult`: the exit code, the log, and the records of
 ``gift_metrics.jsonl`` / ``gift_counters_rank*.json``. :func:`run_nodes` runs the job as the
 nodes of a multi-node job, all on this machine; :func:`concurrently` runs independent jobs at once.
+
+The job is checked in this process by ``gift-titan``'s own :func:`launcher.plan` (this process
+has imported torchtitan already; a launcher process would spend ~7 s of CPU importing it
+again), and the torchrun command it returns runs as a subprocess, as ``gift-titan`` runs it.
+A refused job comes back with exit code 2 and ``gift-titan``'s message, having started nothing.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gift_compile.testing.ranks import free_port
+from gift_compile.titan_integration import launcher
 from gift_compile.titan_integration.session import METRICS_FILE
 
 
@@ -79,43 +84,49 @@ def resume(first: JobResult, job: Path, folder: Path, step: int, *overrides: str
     return (run_nodes(job, folder, nodes, free_port(), *overrides) if nodes > 1 else run_job(job, folder, *overrides)).check()
 
 
-def _command(job: str | Path | None, dump_folder: Path, overrides: tuple[str, ...]) -> list[str]:
-    command = [sys.executable, "-m", "gift_compile.titan_integration.launcher"]
-    command += [str(job)] if job is not None else []
-    return command + ["--dump_folder", str(dump_folder), *overrides]
+_PLANNING = threading.Lock()  # torchtitan's config parser is not known to be thread-safe; a plan takes ~0.5 s
 
 
-def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, timeout: float = 900, cwd: str | Path | None = None) -> JobResult:
+def _launch(job: str | Path | None, dump_folder: Path, overrides: tuple[str, ...]) -> launcher.Launch | launcher.JobError:
+    argv = ([str(job)] if job is not None else []) + ["--dump_folder", str(dump_folder), *overrides]
+    with _PLANNING:
+        try:
+            return launcher.plan(argv)
+        except launcher.JobError as error:
+            return error
+
+
+def run_job(job: str | Path | None, dump_folder: str | Path, *overrides: str, timeout: float = 900) -> JobResult:
+    return run_nodes(job, dump_folder, 1, None, *overrides, timeout=timeout)
+
+
+def run_nodes(job: str | Path | None, dump_folder: str | Path, nnodes: int, port: int | None, *overrides: str, timeout: float = 900) -> JobResult:
+    """``job`` as one job of ``nnodes`` nodes, all on this machine: one torchrun per node, as
+    ``gift-titan --nnodes N --node-rank r`` would start it, rendezvous at 127.0.0.1:``port``,
+    one dump folder. The result's exit code is the first failing node's (0 if none); its log is
+    every node's log in node order. With several nodes every rank gets one thread
+    (``OMP_NUM_THREADS=1``, what torchrun sets for several ranks per node): the nodes share this
+    machine's cores, and a 20-step two-node run took 59 s with torch's default thread count, 28 s with one."""
     dump_folder = Path(dump_folder).resolve()
     start = time.perf_counter()
-    proc = subprocess.run(_command(job, dump_folder, overrides), capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd)
-    return _result(proc.returncode, proc.stdout + proc.stderr, dump_folder, start)
-
-
-def run_nodes(job: str | Path, dump_folder: str | Path, nnodes: int, port: int, *overrides: str, timeout: float = 900) -> JobResult:
-    """``job`` as one multi-node job whose ``nnodes`` nodes all run on this machine: one
-    ``gift-titan --nnodes N --node-rank r`` per node, rendezvous at 127.0.0.1:``port``, one
-    dump folder. The result's exit code is the first failing node's (0 if none); its log is
-    every node's log in node order. Every rank gets one thread (``OMP_NUM_THREADS=1``, what
-    torchrun sets for several ranks per node): the nodes share this machine's cores, and a
-    20-step two-node run took 59 s with torch's default thread count, 28 s with one."""
-    dump_folder = Path(dump_folder).resolve()
-    start = time.perf_counter()
-    nodes = [
-        subprocess.Popen(
-            _command(job, dump_folder, ("--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", "127.0.0.1",
-                                        "--master-port", str(port), *overrides)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(_env(), OMP_NUM_THREADS="1"),
-        )
-        for node in range(nnodes)
-    ]
+    node_flags = [("--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port))
+                  for node in range(nnodes)] if nnodes > 1 else [()]
+    launches = [_launch(job, dump_folder, (*flags, *overrides)) for flags in node_flags]
+    refused = next((launch for launch in launches if isinstance(launch, launcher.JobError)), None)
+    if refused is not None:
+        return _result(2, refused.refusal() + "\n", dump_folder, start)
+    threads = {"OMP_NUM_THREADS": "1"} if nnodes > 1 else {}
+    nodes = [subprocess.Popen(launch.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(launch.env, PYTHONUNBUFFERED="1", **threads))
+             for launch in launches]
     try:
-        logs = [node.communicate(timeout=timeout)[0] for node in nodes]
+        logs = [launch.describe() + "\n" + node.communicate(timeout=timeout)[0] for launch, node in zip(launches, nodes)]
     finally:
         for node in nodes:
             node.kill()
     returncode = next((node.returncode for node in nodes if node.returncode != 0), 0)
-    return _result(returncode, "".join(f"== node {i} ==\n{text}" for i, text in enumerate(logs)), dump_folder, start)
+    log = logs[0] if nnodes == 1 else "".join(f"== node {i} ==\n{text}" for i, text in enumerate(logs))
+    return _result(returncode, log, dump_folder, start)
 
 
 def concurrently(*jobs: Callable[[], JobResult]) -> list[JobResult]:
@@ -124,10 +135,6 @@ def concurrently(*jobs: Callable[[], JobResult]) -> list[JobResult]:
     torchtitan's closing sleep, ranks waiting on each other): another job's ranks use them."""
     with ThreadPoolExecutor(len(jobs)) as pool:
         return [future.result() for future in [pool.submit(job) for job in jobs]]
-
-
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
 def _result(returncode: int, log: str, dump_folder: Path, start: float) -> JobResult:

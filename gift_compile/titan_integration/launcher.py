@@ -57,6 +57,10 @@ LAUNCH_DEFAULTS = {"nproc": 1, "config": DEFAULT_CONFIG, "module": DEFAULT_MODUL
 class JobError(ValueError):
     """A job file or flag that cannot be run; the message says which key and why."""
 
+    def refusal(self) -> str:
+        """What ``gift-titan`` prints (on stderr) when it refuses the job."""
+        return f"gift-titan: error: {self}"
+
 
 # -- reading ----------------------------------------------------------------------------------
 def _parse_value(text: str) -> Any:
@@ -276,7 +280,22 @@ def torchrun_command(settings: dict, args: list[str]) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What ``gift-titan`` runs on this node once the job passed every check."""
+
+    command: list[str]
+    """This node's torchrun command."""
+    env: dict[str, str]
+    """Its environment."""
+    dry_run: bool
+
+    def describe(self) -> str:
+        """The line ``gift-titan`` prints before it starts torchrun."""
+        return f"gift-titan: {shlex.join(self.command)}"
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gift-titan", description="Run a torchtitan job described by a TOML file, with GIFT ([gift] enabled = true).",
         epilog="Any --section.field value flag overrides the job file.",
@@ -288,25 +307,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--master-addr", help="address of node 0 (overrides [launch] master_addr)")
     parser.add_argument("--master-port", type=int, help="rendezvous port on node 0 (overrides [launch] master_port)")
     parser.add_argument("--dry-run", action="store_true", help="check the job and print this node's torchrun command; do not run")
-    ns, rest = parser.parse_known_args(argv)
-    try:
-        document = load_job(ns.job, rest)
-        flags = {"nproc": ns.nproc, "nnodes": ns.nnodes, "node_rank": ns.node_rank, "master_addr": ns.master_addr, "master_port": ns.master_port}
-        document = merge(document, {"launch": {k: v for k, v in flags.items() if v is not None}})
-        settings, _, document = check_job(document)
-        args = titan_args(document, settings)
-        check_model(parse_with_torchtitan(args))
-    except JobError as e:
-        print(f"gift-titan: error: {e}", file=sys.stderr)
-        return 2
-    command = torchrun_command(settings, args)
-    print("gift-titan:", shlex.join(command), flush=True)
-    if ns.dry_run:
-        return 0
+    return parser
+
+
+def plan(argv: list[str] | None = None) -> Launch:
+    """Read and check the job ``gift-titan argv`` describes, without starting anything: the
+    torchrun command and environment :func:`main` runs, or a :class:`JobError` saying why not."""
+    ns, rest = _parser().parse_known_args(argv)
+    document = load_job(ns.job, rest)
+    flags = {"nproc": ns.nproc, "nnodes": ns.nnodes, "node_rank": ns.node_rank, "master_addr": ns.master_addr, "master_port": ns.master_port}
+    document = merge(document, {"launch": {k: v for k, v in flags.items() if v is not None}})
+    settings, _, document = check_job(document)
+    args = titan_args(document, settings)
+    check_model(parse_with_torchtitan(args))
     env = dict(os.environ)
     if not torch.cuda.is_available():  # few CPU cores: a compile-worker pool only adds start-up time
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    return subprocess.call(command, env=env)
+    return Launch(torchrun_command(settings, args), env, ns.dry_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        launch = plan(argv)
+    except JobError as e:
+        print(e.refusal(), file=sys.stderr)
+        return 2
+    print(launch.describe(), flush=True)
+    if launch.dry_run:
+        return 0
+    return subprocess.call(launch.command, env=launch.env)
 
 
 def cli() -> None:
