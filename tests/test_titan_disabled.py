@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("torchtitan")
 pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
-from gift_compile.testing.titan_jobs import concurrently, run_job  # noqa: E402
+from gift_compile.testing.titan_jobs import JobResult, concurrently, run_job  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "llama3_debug_cpu.toml"
@@ -34,10 +34,25 @@ def pass_reports(log: str) -> list[str]:
     return re.findall(r"\[(\w+)\] (graph unchanged|graph diff:\n(?:\s{2,}.*\n)+)", log)
 
 
-def test_disabled_gift_leaves_the_graph_unchanged(tmp_path):
-    common = ["--training.steps", "1", "--metrics.log_freq", "1", "--compile.debug_graph_passes"]
-    off, stock = concurrently(lambda: run_job(JOB, tmp_path / "off", *common, "--gift.no-enabled").check(),
-                              lambda: run_job(JOB, tmp_path / "stock", *common, "--gift.no-enabled", "--compile.pass_pipeline", "default").check())
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory) -> dict[str, JobResult]:
+    """Four short graph_trainer jobs side by side: GIFT off with the gift pipeline and with the
+    stock one (2 ranks, 1 step, each pass's graph changes logged), and GIFT on and off on one rank."""
+    tmp = tmp_path_factory.mktemp("short")
+    passes = ["--training.steps", "1", "--metrics.log_freq", "1", "--compile.debug_graph_passes", "--gift.no-enabled"]
+    one_rank = ["--nproc", "1", "--training.steps", "2", "--metrics.log_freq", "1", "--debug.seed", "0"]
+    jobs = {
+        "off": passes,
+        "stock": [*passes, "--compile.pass_pipeline", "default"],
+        "one_rank_gift": one_rank,
+        "one_rank_plain": [*one_rank, "--gift.no-enabled"],
+    }
+    results = concurrently(*[lambda name=name, flags=flags: run_job(JOB, tmp / name, *flags).check() for name, flags in jobs.items()])
+    return dict(zip(jobs, results))
+
+
+def test_disabled_gift_leaves_the_graph_unchanged(short_runs):
+    off, stock = short_runs["off"], short_runs["stock"]
     assert off.applied_passes() == stock.applied_passes() and off.applied_passes()
     assert "gift_joint_graph_pass" not in off.applied_passes()
     reports = pass_reports(off.log)  # both ranks report: their lines interleave differently per run
@@ -45,11 +60,9 @@ def test_disabled_gift_leaves_the_graph_unchanged(tmp_path):
     assert "gift" not in "".join(report for _, report in reports)
 
 
-def test_one_rank_runs_and_equals_the_plain_run(tmp_path):
+def test_one_rank_runs_and_equals_the_plain_run(short_runs):
     # One rank has nothing to communicate: GIFT says so once and changes nothing.
-    common = ["--nproc", "1", "--training.steps", "2", "--metrics.log_freq", "1", "--debug.seed", "0"]
-    gift, plain = concurrently(lambda: run_job(JOB, tmp_path / "gift", *common).check(),
-                               lambda: run_job(JOB, tmp_path / "plain", *common, "--gift.no-enabled").check())
+    gift, plain = short_runs["one_rank_gift"], short_runs["one_rank_plain"]
     assert gift.losses() == plain.losses() and len(gift.losses()) == 2
     assert gift.log.count("one rank has nothing to communicate") == 1
 
