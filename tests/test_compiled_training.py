@@ -35,7 +35,7 @@ def strip_parametrization(name):
 
 
 def train_side_by_side(rank, world, cache_root, steps, name, config=CONFIG):
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"rank{rank}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_root  # shared by the ranks: each kernel is built once
     counters.clear()
     torch.manual_seed(0)
     model = MLP()
@@ -125,18 +125,20 @@ def test_counters_sum_hits_and_keep_the_last_error():
 
 
 def test_warm_cache_in_a_new_process_still_matches(cold_run, cache_root):
-    # New processes, same per-rank cache dirs: Inductor replays the cached graphs without
+    # New processes, the same cache dir: Inductor replays the cached graphs without
     # running the pass, and the state is still reached (and refreshed) at run time.
     warm = run_on_ranks(train_side_by_side, 2, cache_root, 12, "cold")
-    for result in cold_run:
-        assert result["pass_calls"] == 2  # forward and backward graphs
+    # The cold run ran the pass (the module's cache starts empty): on both ranks, or on one
+    # while the other found the graphs its peer had just written.
+    assert all(r["pass_calls"] + r["cache_hits"] == 2 for r in cold_run)  # forward and backward graphs
+    assert sum(r["pass_calls"] for r in cold_run) >= 2
     for result in warm:
         assert result["cache_hits"] == 2 and result["pass_calls"] == 0
         assert result["worst"]["weight"] == 0.0 and result["fc2"]["stats_bytes"] > 0
 
 
 def train_with_checkpoint(rank, world, cache_root):
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"ckpt{rank}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_root
 
     def fresh(name):
         torch.manual_seed(0)
@@ -231,7 +233,7 @@ def test_non_finite_gradients_propagate_to_every_rank(ranks):
 
 def ddp_compiled_autograd_steps(rank, world, cache_root, steps=3):
     """DDP with the python reducer: its all_reduces live in the compiled-autograd graph."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_root, f"ddp_rank{rank}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_root
     torch._dynamo.config.optimize_ddp = "python_reducer"
     torch._dynamo.config.compiled_autograd = True
     torch.manual_seed(0)
