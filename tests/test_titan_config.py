@@ -189,3 +189,13 @@ def test_a_pattern_matching_no_layer_stops_the_launch_before_any_rank(tmp_path, 
     err = capsys.readouterr().err
     assert "['nomatch'] match no Linear layer" in err and "layers.0.attention.qkv_linear.wqkv" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_test_harness_reports_a_refused_job_without_starting_it(tmp_path):
+    from gift_compile.testing.titan_jobs import run_job
+
+    job = tmp_path / "job.toml"
+    job.write_text('[launch]\nnproc = 2\n[gift]\nenabled = true\nlayers = ["nomatch"]\n')
+    result = run_job(job, tmp_path / "out")
+    assert result.returncode == 2 and result.log.startswith("gift-titan: error: [gift] layers: ['nomatch'] match no Linear layer")
+    assert not (tmp_path / "out").exists()
