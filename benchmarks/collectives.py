@@ -22,6 +22,7 @@ from tabulate import tabulate
 from common import median_seconds
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.comm import euclidean_reduce, fp8_reduce
+from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening, factorize, initial_basis, input_sketch, second_moment, whitening_from_sketch
 from gift_compile.testing.ranks import run_on_ranks
 
@@ -67,18 +68,20 @@ def time_methods(rank: int, world: int, shapes, repeats: int):
                 print(f"  done {shape} {collective}", flush=True)
     return rows
 
+DEFAULTS = GiftConfig()
+
 
 def factor_cost(widths, low_rank: int = 32, tokens: int = 8192) -> list[tuple[int, float, float, float]]:
     """Seconds of the current-step factors (every step) and of a periodic refresh (every K)."""
     rows = []
     for d in widths:
         x, basis = torch.randn(tokens, d), initial_basis(d, low_rank)
-        current = median_seconds(lambda: whitening_from_sketch(input_sketch(x, basis), basis, 0.3), 3)
+        current = median_seconds(lambda: whitening_from_sketch(input_sketch(x, basis), basis, DEFAULTS.damping), 3)
         start = time.perf_counter()
         moment, count = second_moment(x)
         stats = time.perf_counter() - start
         start = time.perf_counter()
-        factorize(moment / count, rank=low_rank)
+        factorize(moment / count, factorization=DEFAULTS.factorization, rank=low_rank, damping=DEFAULTS.damping)
         rows.append((d, current, stats, time.perf_counter() - start))
         print(f"  d_in={d}: current step {current:.3f}s; periodic refresh: statistics {stats:.2f}s, factorize {rows[-1][3]:.2f}s", flush=True)
     return rows

@@ -256,12 +256,15 @@ def top_eigenpairs(a: torch.Tensor, rank: int, *, seed: int = 0, iterations: int
 def factorize(
     a: torch.Tensor,
     *,
-    factorization: str = "symmetric",
-    rank: int | None = None,
-    damping: float = 1e-3,
+    factorization: str,
+    rank: int | None,
+    damping: float,
     seed: int = 0,
 ) -> Whitening:
-    """Build ``(T, T^-1)`` from a second moment ``a`` (``d x d``); fp64 inside, fp32 out."""
+    """Build ``(T, T^-1)`` from a second moment ``a`` (``d x d``); fp64 inside, fp32 out.
+
+    The knobs have no defaults here: they are ``GiftConfig``'s (``factorization``, ``low_rank``,
+    ``damping``), and one set of defaults lives there."""
     if a.dim() != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"the second moment must be a square matrix, got shape {tuple(a.shape)}")
     d = a.shape[0]

@@ -37,7 +37,7 @@ def test_whitened_samples_have_identity_covariance(factorization):
     a = anisotropic_moment(d, seed=1).double()
     samples = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) @ torch.linalg.cholesky(a).T
     moment, tokens = second_moment(samples)
-    w = factorize(moment / tokens, factorization=factorization, damping=1e-9)
+    w = factorize(moment / tokens, factorization=factorization, rank=None, damping=1e-9)
     white = samples.float() @ w.matrix()
     # T^T A_hat T = I holds exactly for the sample moment A_hat; fp32 rounding leaves ~1e-3.
     torch.testing.assert_close(white.T @ white / n, torch.eye(d), atol=5e-3, rtol=0)
@@ -56,7 +56,7 @@ def test_paper_two_by_two_cholesky_example():
     a = torch.tensor([[4.0, 3.0], [3.0, 4.0]])
     chol = torch.linalg.cholesky(a)
     torch.testing.assert_close(chol, torch.tensor([[2.0, 0.0], [1.5, 1.3229]]), atol=1e-4, rtol=0)
-    w = factorize(a, factorization="cholesky", damping=1e-12)
+    w = factorize(a, factorization="cholesky", rank=None, damping=1e-12)
     g = torch.tensor([[5.0, 1.0]])  # a row gradient: g^T L^-T = (L^-1 g)^T
     torch.testing.assert_close(w.whiten(g), torch.tensor([[2.5, -2.0788]]), atol=1e-4, rtol=0)
 
@@ -66,11 +66,11 @@ def test_rank_deficient_moment_gives_finite_transforms(case):
     x = torch.randn(100, 12)
     x[:, 3:] = 0.0  # nine dead inputs
     moment, tokens = second_moment(x)
-    w = factorize(moment / tokens, **case)
+    w = factorize(moment / tokens, damping=1e-3, **case)
     assert all(bool(torch.isfinite(t).all()) for t in w.tensors.values())
     g = torch.randn(4, 12)
     assert bool(torch.isfinite(w.whiten(g)).all())
-    assert all(bool(torch.isfinite(t).all()) for t in factorize(torch.zeros(12, 12), **case).tensors.values())
+    assert all(bool(torch.isfinite(t).all()) for t in factorize(torch.zeros(12, 12), damping=1e-3, **case).tensors.values())
 
 
 def test_subspace_iteration_finds_the_top_eigenpairs():
@@ -87,10 +87,10 @@ def test_subspace_iteration_finds_the_top_eigenpairs():
 
 def test_bad_shapes_and_ranks_raise():
     with pytest.raises(ValueError, match="rank=9 is invalid for a layer with d_in=8"):
-        factorize(torch.eye(8), rank=9)
+        factorize(torch.eye(8), factorization="symmetric", rank=9, damping=1e-3)
     with pytest.raises(ValueError, match="square"):
-        factorize(torch.ones(2, 3))
-    w = factorize(torch.eye(4))
+        factorize(torch.ones(2, 3), factorization="symmetric", rank=None, damping=1e-3)
+    w = factorize(torch.eye(4), factorization="symmetric", rank=None, damping=1e-3)
     with pytest.raises(ValueError, match="2-D"):
         w.whiten(torch.ones(2, 3, 4))
     with pytest.raises(ValueError, match="5 factor tensors"):
