@@ -1,4 +1,4 @@
-"""GIFT in torchtitan 0.3.0 (graph_trainer route); see the torchtitan section of README.md.
+"""GIFT in torchtitan 0.3.0 (graph_trainer and standard FSDP2 trainer); see the torchtitan section of README.md.
 
 Nothing is imported or patched here: importing ``gift_compile`` never touches torchtitan.
 
@@ -8,7 +8,7 @@ Nothing is imported or patched here: importing ``gift_compile`` never touches to
 - ``session``      runtime, layer selection, ``layers = "auto"`` profiling, metrics
 - ``autoselect``   boundary-hit rates -> chosen layers
 - ``checkpoint``   GIFT state as a DCP stateful (``states["gift"]``)
-- ``trainer``      GiftGraphTrainer (supported) and GiftTrainer (standard, GIFT refused)
+- ``trainer``      GiftGraphTrainer (graph_trainer) and GiftTrainer (standard FSDP2/HSDP, via ``gift_compile.fsdp``)
 - ``job_configs``  config registry: llama3_debug, llama3_debug_standard, llama3_8b
 - ``datasets``     local datasets and the bundled corpus / default tokenizer
 - ``launcher``     ``gift-titan job.toml``: TOML front-end and torchrun
