@@ -26,6 +26,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening, factorize, initial_basis, input_sketch, second_moment, whitening_from_sketch
 from gift_compile.testing.ranks import run_on_ranks
 
+DEFAULTS = GiftConfig()  # the factor knobs a user gets unless they set them
 WIRES = {"fp32": WireFormat("fp32"), "bf16": WireFormat("bf16"), "fp8 euclidean": WireFormat("fp8")}
 
 
@@ -34,11 +35,11 @@ def correlated_inputs(d_in: int, tokens: int, seed: int) -> torch.Tensor:
     return torch.randn(tokens, d_in, generator=torch.Generator().manual_seed(seed)) @ mixing
 
 
-def gift_factors(shape, rank: int, low_rank: int = 32) -> list[torch.Tensor]:
+def gift_factors(shape, rank: int, low_rank: int = DEFAULTS.low_rank) -> list[torch.Tensor]:
     """Rank-32 current-step factors of correlated inputs (a few subspace steps in)."""
     basis = initial_basis(shape[1], low_rank)
     for step in range(3):
-        whitening, basis = whitening_from_sketch(input_sketch(correlated_inputs(shape[1], 2048, rank + step), basis), basis, 0.3)
+        whitening, basis = whitening_from_sketch(input_sketch(correlated_inputs(shape[1], 2048, rank + step), basis), basis, DEFAULTS.damping)
     return list(whitening.tensors.values())
 
 
@@ -68,10 +69,8 @@ def time_methods(rank: int, world: int, shapes, repeats: int):
                 print(f"  done {shape} {collective}", flush=True)
     return rows
 
-DEFAULTS = GiftConfig()
 
-
-def factor_cost(widths, low_rank: int = 32, tokens: int = 8192) -> list[tuple[int, float, float, float]]:
+def factor_cost(widths, low_rank: int = DEFAULTS.low_rank, tokens: int = 8192) -> list[tuple[int, float, float, float]]:
     """Seconds of the current-step factors (every step) and of a periodic refresh (every K)."""
     rows = []
     for d in widths:

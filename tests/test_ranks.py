@@ -10,7 +10,6 @@ import time
 import pytest
 
 
-
 def rank_and_world(rank, world):
     return rank, world
 
