@@ -133,21 +133,14 @@ class GiftConfig:
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"GiftConfig.{name}={value!r} is invalid; allowed values: {list(choices)}")
-        if isinstance(self.layers, list):
-            object.__setattr__(self, "layers", tuple(self.layers))
-        if self.layers != "auto":
-            if not isinstance(self.layers, tuple) or not all(isinstance(p, str) and p for p in self.layers):
-                raise ValueError(
-                    f"GiftConfig.layers={self.layers!r} is invalid; use 'auto' or a sequence of "
-                    "non-empty fnmatch patterns such as ('w2',)"
-                )
+        object.__setattr__(self, "layers", _normalize_layers(self.layers))
         for name in ("scale_block_rows", "refresh_interval", "auto_profile_steps", "meter_interval",
                      "fallback_patience", "fallback_retry"):
-            _check_int(name, getattr(self, name), minimum=1)
+            _check_int(name, getattr(self, name))
         for name in ("low_rank", "stats_max_tokens", "auto_max_layers"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=1)
-        _check_float("damping", self.damping, low=0.0, high=1e3, closed_low=False)
+                _check_int(name, getattr(self, name))
+        _check_float("damping", self.damping, low=MIN_DAMPING, high=1e3, closed_low=True)
         _check_float("ema_decay", self.ema_decay, low=0.0, high=1.0, closed_low=True)
         for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback"):
             if not isinstance(getattr(self, name), bool):
@@ -226,9 +219,36 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"GiftConfig.{name}={value!r} is invalid; it must be an integer >= {minimum}")
+# Every integer knob is a count of steps, rows, tokens or layers: bounded to the int32 range,
+# so step arithmetic (``step + 1 + fallback_retry`` in an int64 buffer) can never overflow
+# and a typo such as 10**30 fails here, naming its field, not hours later inside torch.
+MAX_INT = 2**31 - 1
+# ``damping * mean_eigenvalue`` must stay a positive double after the 1e-30 floor on the mean
+# eigenvalue (geometry): below ~1e-278 it underflows to 0 and a zero input gives NaN factors.
+# 1e-8 keeps the damped spectrum far above that and far below any damping that helps.
+MIN_DAMPING = 1e-8
+
+
+def _normalize_layers(layers: Any) -> tuple[str, ...] | Literal["auto"]:
+    """``layers`` as ``"auto"`` or a tuple of non-empty patterns; the one check for Python, TOML and
+    the command line (``["auto"]`` is ``"auto"``; ``[]`` whitens nothing; ``[""]`` is an error)."""
+    if layers == "auto":
+        return "auto"
+    if isinstance(layers, (list, tuple)) and all(isinstance(p, str) and p for p in layers):
+        if "auto" not in layers:
+            return tuple(layers)
+        if len(layers) == 1:
+            return "auto"
+        raise ValueError(f"GiftConfig.layers={layers!r} is invalid; 'auto' must be the only entry")
+    raise ValueError(
+        f"GiftConfig.layers={layers!r} is invalid; use 'auto' or a sequence of non-empty fnmatch patterns "
+        "such as ('w2',), or () to whiten nothing"
+    )
+
+
+def _check_int(name: str, value: Any, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        raise ValueError(f"GiftConfig.{name}={value!r} is invalid; it must be an integer in [{minimum}, {MAX_INT}]")
 
 
 def _check_float(name: str, value: Any, *, low: float, high: float, closed_low: bool) -> None:

@@ -17,16 +17,26 @@ def test_defaults_are_valid_and_frozen():
     [
         ("fp8_format", "e3m4", "allowed values"),
         ("factor_source", "sometimes", "allowed values"),
-        ("low_rank", 0, "integer >= 1"),
-        ("low_rank", 2.5, "integer >= 1"),
-        ("refresh_interval", 0, "integer >= 1"),
-        ("meter_interval", True, "integer >= 1"),  # bool is an int in Python
+        ("low_rank", 0, r"integer in \[1, 2147483647\]"),
+        ("low_rank", 2.5, "integer in"),
+        ("refresh_interval", 0, "integer in"),
+        ("meter_interval", True, "integer in"),  # bool is an int in Python
+        # Upper bounds: a value that would overflow int64 step arithmetic hours later (at the
+        # first fallback) is refused now, naming its field and the range.
+        ("fallback_retry", 2**63 - 1, r"integer in \[1, 2147483647\]"),
+        ("fallback_retry", 10**30, r"integer in \[1, 2147483647\]"),
+        ("meter_interval", 2**31, r"integer in \[1, 2147483647\]"),
+        ("stats_max_tokens", 2**40, "integer in"),
         ("damping", -1.0, "number in"),
         ("damping", True, "number in"),
+        ("damping", 1e-300, r"number in \[1e-08, 1000\)"),  # gave NaN factors on a zero input
+        ("damping", 0.0, "number in"),
         ("ema_decay", 1.0, "number in"),
         ("layers", "w2", "layers"),
         ("layers", 5, "layers"),
         ("layers", ("w2", ""), "layers"),
+        ("layers", ("",), "non-empty fnmatch patterns"),
+        ("layers", ["auto", "w2"], "'auto' must be the only entry"),
         ("euclidean_dtype", "fp16", "allowed values"),
         ("all_gather_dtype", "fp32", "allowed values"),
         ("scale_mode", "shared", "allowed values"),
@@ -38,6 +48,25 @@ def test_invalid_values_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message) as info:
         GiftConfig(**{field: value})
     assert f"GiftConfig.{field}=" in str(info.value)
+
+
+def test_the_bounds_themselves_are_valid():
+    assert GiftConfig(fallback_retry=2**31 - 1, meter_interval=2**31 - 1, damping=1e-8).fallback_retry == 2**31 - 1
+    assert GiftConfig(layers=["auto"]).layers == "auto" and GiftConfig(layers=[]).layers == ()
+
+
+def test_empty_pattern_from_toml_is_refused_as_in_python(tmp_path):
+    # One validation: layers = [""] used to be refused by GiftConfig but silently mean
+    # "whiten nothing" when it came from a TOML table.
+    with pytest.raises(ValueError) as python:
+        GiftConfig(layers=("",))
+    path = tmp_path / "job.toml"
+    path.write_text('[gift]\nlayers = [""]\n')
+    with pytest.raises(ValueError) as toml:
+        GiftConfig.from_toml(path)
+    assert str(toml.value) == str(python.value).replace("('',)", "['']")
+    path.write_text("[gift]\nlayers = []\n")
+    assert GiftConfig.from_toml(path).layers == ()  # the empty list: whiten nothing, in both
 
 
 def test_cholesky_needs_periodic_factors():

@@ -31,6 +31,26 @@ def test_every_gift_config_field_is_a_section_field():
     assert tuple(section.layers) == defaults.layers
 
 
+def test_an_empty_layer_list_survives_the_command_line(tmp_path):
+    # torchtitan's command line spells lists as one comma-separated value, so the launcher
+    # sends layers = [] as --gift.layers "": the rank must read it back as [] (whiten nothing).
+    job = tmp_path / "job.toml"
+    job.write_text("[gift]\nenabled = true\nlayers = []\n")
+    settings, _, document = launcher.check_job(launcher.load_job(job))
+    section = launcher.parse_with_torchtitan(launcher.titan_args(document, settings)).gift
+    assert to_gift_config(section).layers == ()
+
+
+def test_the_launcher_prints_no_warning_of_its_own_making(tmp_path, caplog):
+    # torchtitan's checkpoint config warned three times per gift-titan call (even --dry-run)
+    # that its default initial_load_model_only has no effect without an initial_load_path.
+    job = tmp_path / "job.toml"
+    job.write_text("[gift]\nenabled = true\n")
+    with caplog.at_level("INFO"):
+        launcher.plan([str(job), "--dry-run"])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+
+
 def test_section_converts_to_gift_config():
     assert to_gift_config(GiftSection(enabled=True, layers=["auto"])).layers == "auto"
     assert to_gift_config(GiftSection(layers=["w2", "wo"], low_rank=None)).layers == ("w2", "wo")
@@ -165,6 +185,9 @@ def test_bad_launch_settings_are_refused_before_anything_runs(tmp_path, capsys, 
     "gift, message",
     [
         ("layers = 5", "GiftConfig.layers=5 is invalid"),
+        ('layers = [""]', "GiftConfig.layers=[''] is invalid; use 'auto' or a sequence of non-empty fnmatch patterns"),
+        ('layers = ""', "GiftConfig.layers=[''] is invalid"),
+        ("fallback_retry = 10000000000", "GiftConfig.fallback_retry=10000000000 is invalid; it must be an integer in [1, 2147483647]"),
         ("damping = true", "GiftConfig.damping=True is invalid"),
         ('layers_file = "../../x.toml"', "gift.layers_file='../../x.toml' is invalid"),
         ("compile_codec = 1", "gift.compile_codec=1 is invalid; it must be a bool"),

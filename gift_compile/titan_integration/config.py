@@ -69,15 +69,12 @@ def section_field_names() -> list[str]:
 
 
 def to_gift_config(section) -> GiftConfig:
-    """The library config this section describes (validated by ``GiftConfig``)."""
+    """The library config a parsed section describes, validated by ``GiftConfig`` alone. The
+    command line cannot spell an empty list, so ``--gift.layers ""`` (``[""]``) is ``[]``; a
+    job file's table is checked before that, by :func:`section_from_dict`."""
     values = {name: getattr(section, name) for name in GiftConfig.field_names()}
-    layers = values["layers"]
-    if isinstance(layers, str) or not isinstance(layers, (list, tuple)):
-        raise ValueError(f"GiftConfig.layers={layers!r} is invalid; use 'auto' or a list of fnmatch patterns such as [\"w2\"]")
-    layers = [p for p in layers if p]  # [] / "" (command line): whiten nothing
-    if "auto" in layers and len(layers) > 1:
-        raise ValueError(f"GiftConfig.layers={layers!r} is invalid; 'auto' must be the only entry")
-    values["layers"] = "auto" if layers == ["auto"] else tuple(layers)
+    if list(values["layers"]) == [""]:
+        values["layers"] = []  # how the launcher's flags spell an empty list (--gift.layers "")
     return GiftConfig(**values)
 
 
@@ -105,7 +102,9 @@ def normalize_table(values: dict) -> dict:
 def section_from_dict(values: dict):
     """A section from a TOML ``[gift]`` table: unknown keys and bad values are a ``ValueError``."""
     section = GiftSection(**normalize_table(values))
-    to_gift_config(section)  # validate every GiftConfig field now, with its message
+    # Every GiftConfig field, validated as GiftConfig itself would (layers = [""] is an error
+    # here as in Python: only the launcher's own flags may spell [] that way).
+    GiftConfig(**{name: getattr(section, name) for name in GiftConfig.field_names()})
     name = section.layers_file
     if not isinstance(name, str) or PurePath(name).name != name or name in ("", ".", ".."):
         raise ValueError(f"gift.layers_file={name!r} is invalid; it must be a file name (it is written inside the dump folder)")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import logging
 import os
 import shlex
 import subprocess
@@ -252,7 +253,7 @@ def check_model(config) -> None:
     with torch.device("meta"):
         model = model_config.build()
     try:
-        check_patterns([name for name, module in model.named_modules() if isinstance(module, nn.Linear)], [p for p in gift.layers if p])
+        check_patterns([name for name, module in model.named_modules() if isinstance(module, nn.Linear)], list(gift.layers))
     except ValueError as error:
         raise JobError(f"[gift] layers: {error}") from None
 
@@ -310,9 +311,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ConfigDefaultsNotice(logging.Filter):
+    """torchtitan's checkpoint config warns, every time one is built, that its own default
+    ``initial_load_model_only=True`` has no effect without an ``initial_load_path``. The launcher
+    builds configs only to check the job, so here that line says nothing about the job."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "initial_load_model_only=True has no effect" not in record.getMessage()
+
+
 def plan(argv: list[str] | None = None) -> Launch:
     """Read and check the job ``gift-titan argv`` describes, without starting anything: the
     torchrun command and environment :func:`main` runs, or a :class:`JobError` saying why not."""
+    notice = _ConfigDefaultsNotice()
+    logging.getLogger().addFilter(notice)  # torchtitan logs through the root logger
+    try:
+        return _plan(argv)
+    finally:
+        logging.getLogger().removeFilter(notice)
+
+
+def _plan(argv: list[str] | None) -> Launch:
     ns, rest = _parser().parse_known_args(argv)
     document = load_job(ns.job, rest)
     flags = {"nproc": ns.nproc, "nnodes": ns.nnodes, "node_rank": ns.node_rank, "master_addr": ns.master_addr, "master_port": ns.master_port}
