@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -56,12 +60,80 @@ def test_namespaces_are_removed_when_the_run_is_interrupted():
     assert "gift902" not in namespaces()
 
 
+# uid/gid 65534 (nobody/nogroup): a user with no capabilities and no access to root's files.
+UNPRIVILEGED = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def unprivileged(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*UNPRIVILEGED, *argv], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, "HOME": str(cwd)})
+
+
+def top_level_imports_outside_the_standard_library(script: Path) -> list[str]:
+    tree = ast.parse(script.read_text())
+    names = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+    names += ["." * node.level + (node.module or "") for node in tree.body if isinstance(node, ast.ImportFrom)]
+    return [name for name in names if name.startswith(".") or name.split(".")[0] not in sys.stdlib_module_names]
+
+
+def world_readable_dir() -> Path:
+    """A fresh directory that uid 65534 can reach: not under the checkout or pytest's base temp
+    directory, either of which may sit in a mode-700 directory (``mktemp -d``, /tmp/pytest-of-root)."""
+    path = Path(tempfile.mkdtemp(prefix="gift-shaped-link-", dir="/tmp" if os.path.isdir("/tmp") else None)).resolve()
+    path.chmod(0o755)
+    closed = [str(p) for p in path.parents if not p.stat().st_mode & 0o001]
+    if closed:
+        shutil.rmtree(path)
+        pytest.fail(f"no directory uid 65534 can reach to copy the benchmark into: {', '.join(closed)} not searchable by others")
+    return path
+
+
+def interpreter_for_nobody(cwd: Path) -> str:
+    """Our interpreter if uid 65534 can run it from its own installation, else a system python3 it can.
+
+    Ours may live where others cannot reach (pyenv under /root, mode 700): setpriv still execs it
+    (its capabilities are dropped only at the exec), but it then cannot read its own libpython
+    and standard library and silently picks up whatever the system has, or fails to start; so
+    the probe checks it reports our version and prefix. The benchmark needs only the standard
+    library up to its preflight (checked in the test), so a system python3 runs it just as well."""
+    probe = ["-c", "import sys; print(sys.version); print(sys.prefix)"]
+    ours = unprivileged([sys.executable, *probe], cwd)
+    if ours.returncode == 0 and ours.stdout == f"{sys.version}\n{sys.prefix}\n":
+        return sys.executable
+    system = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")
+    if system is not None and unprivileged([system, *probe], cwd).returncode == 0:
+        warnings.warn(f"uid 65534 cannot run {sys.executable} from its own installation (a directory above it is not "
+                      f"searchable by others?); the benchmark runs under {system} instead", stacklevel=2)
+        return system
+    pytest.fail(f"uid 65534 can run neither {sys.executable} from its own installation (it reported "
+                f"{(ours.stdout + ours.stderr).strip()!r}, not {sys.version!r} from {sys.prefix}) nor a system python3: "
+                "make the directories above the interpreter searchable by others (chmod o+x) or install python3")
+
+
 def test_without_root_the_benchmark_explains_itself(tmp_path):
-    if os.geteuid() == 0:  # drop to an unprivileged user, as a newcomer without sudo would run it
-        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, str(ROOT / "benchmarks" / "shaped_link.py")]
-    else:
-        command = [sys.executable, str(ROOT / "benchmarks" / "shaped_link.py")]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "HOME": str(tmp_path)})
-    assert run.returncode == 2
-    assert "needs:" in run.stderr and "root: network namespaces and tc need CAP_NET_ADMIN (run it with sudo)" in run.stderr
-    assert "Traceback" not in run.stderr
+    script = ROOT / "benchmarks" / "shaped_link.py"
+    if os.geteuid() != 0:
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                             env={**os.environ, "HOME": str(tmp_path)})
+    else:  # drop to an unprivileged user, as a newcomer without sudo would run it
+        if shutil.which("setpriv") is None:
+            pytest.fail("setpriv (util-linux) is needed to run the benchmark as an unprivileged user")
+        # That user may not reach the checkout (a clone under `mktemp -d`, mode 700), so it runs
+        # a copy of the script; up to the preflight the script needs nothing else.
+        foreign = top_level_imports_outside_the_standard_library(script)
+        assert not foreign, f"shaped_link.py imports {foreign} before its preflight: copy them here too, or import them later"
+        workdir = world_readable_dir()
+        try:
+            copy = workdir / "benchmarks" / "shaped_link.py"
+            copy.parent.mkdir()
+            copy.parent.chmod(0o755)
+            shutil.copyfile(script, copy)
+            copy.chmod(0o644)
+            python = interpreter_for_nobody(workdir)
+            run = unprivileged([python, str(copy)], workdir)
+        finally:
+            shutil.rmtree(workdir)
+    detail = f"{run.args}: rc {run.returncode}\n{run.stderr}"
+    assert run.returncode == 2, detail
+    assert "needs:" in run.stderr and "root: network namespaces and tc need CAP_NET_ADMIN (run it with sudo)" in run.stderr, detail
+    assert "Traceback" not in run.stderr, detail
