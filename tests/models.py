@@ -32,3 +32,41 @@ class LlamaBlock(nn.Module):
         x = x + self.wo(attn.transpose(1, 2).reshape(b, s, d))
         h = self.ffn_norm(x)
         return x + self.w2(nn.functional.silu(self.w1(h)) * self.w3(h))
+
+
+class GPTAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)  # fused q, k, v
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.c_attn(x).split(d, dim=-1))
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(attn.transpose(1, 2).reshape(b, s, d))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.c_proj(nn.functional.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GPTBlock(nn.Module):
+    """One GPT-2 block (Hugging Face names): LayerNorms with bias, a fused qkv projection
+    ``attn.c_attn`` (dim -> 3 dim) and ``attn.c_proj``, GELU MLP ``mlp.c_fc``/``mlp.c_proj``,
+    every Linear with a bias."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn, self.mlp = GPTAttention(dim, heads), GPTMLP(dim, 4 * dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
