@@ -27,6 +27,7 @@ from gift_compile.geometry import Whitening, factorize, initial_basis, input_ske
 from gift_compile.testing.ranks import run_on_ranks
 
 DEFAULTS = GiftConfig()  # the factor knobs a user gets unless they set them
+ONE = torch.ones(())  # the sketch scale of inputs of ordinary magnitude (geometry.input_sketch)
 WIRES = {"fp32": WireFormat("fp32"), "bf16": WireFormat("bf16"), "fp8 euclidean": WireFormat("fp8")}
 
 
@@ -39,7 +40,7 @@ def gift_factors(shape, rank: int, low_rank: int = DEFAULTS.low_rank) -> list[to
     """Rank-32 current-step factors of correlated inputs (a few subspace steps in)."""
     basis = initial_basis(shape[1], low_rank)
     for step in range(3):
-        whitening, basis = whitening_from_sketch(input_sketch(correlated_inputs(shape[1], 2048, rank + step), basis), basis, DEFAULTS.damping)
+        whitening, basis, _ = whitening_from_sketch(input_sketch(correlated_inputs(shape[1], 2048, rank + step), basis, ONE), basis, ONE, DEFAULTS.damping)
     return list(whitening.tensors.values())
 
 
@@ -75,7 +76,7 @@ def factor_cost(widths, low_rank: int = DEFAULTS.low_rank, tokens: int = 8192) -
     rows = []
     for d in widths:
         x, basis = torch.randn(tokens, d), initial_basis(d, low_rank)
-        current = median_seconds(lambda: whitening_from_sketch(input_sketch(x, basis), basis, DEFAULTS.damping), 3)
+        current = median_seconds(lambda: whitening_from_sketch(input_sketch(x, basis, ONE), basis, ONE, DEFAULTS.damping), 3)
         start = time.perf_counter()
         moment, count = second_moment(x)
         stats = time.perf_counter() - start

@@ -12,16 +12,22 @@ Linear FQNs seen) only if it matches nothing in any graph, checked when the firs
 compiled: by then every forward graph of the first step has been seen.
 
 The pass object is a ``CustomGraphPass`` whose ``uuid()`` covers the config, the namespace,
-the graph's Linear FQNs and the source of this package, so Inductor's FX graph cache stays
-on and two structurally identical graphs of different layers never share a cache entry
-(their state keys are baked into the code).
+the graph's Linear FQNs and the source of every package module the pass module imports,
+directly or not (``package_graph.source_files``: derived from the import graph, never a
+hand-kept list), so Inductor's FX graph cache stays on, replays no graph made by older code,
+and two structurally identical graphs of different layers never share a cache entry (their
+state keys are baked into the code).
+
+Every backend owns its state (``backend.state``, ``backend.runtime``): a second
+``gift_backend(config)`` gets a fresh one under a new generated namespace, unless it asks to
+share with ``share_state_with=``. A backend refuses a second model whose Linear layer has the
+FQN of one it already serves (their states would mix).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from pathlib import Path
 
 import torch
 from torch import fx
@@ -30,21 +36,18 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.utils.weak import WeakIdKeyDictionary
 
 from gift_compile.config import GiftConfig
+from gift_compile.package_graph import source_files
 from gift_compile.passes.compiled_autograd import LinearWeight, output_fqns, remember_linear_weights, tag_outputs
 from gift_compile.passes.gift_collectives import find_gradient_collectives, gift_collectives_pass
 from gift_compile.passes.graph_utils import is_linear_type, module_fqn
-from gift_compile.runtime import GiftRuntime, register_runtime
-from gift_compile.selection import check_patterns, matching
+from gift_compile.runtime import GiftRuntime, is_registered, new_runtime
+from gift_compile.selection import check_patterns, linear_weight_shapes, matching
 
 log = logging.getLogger(__name__)
 
-# The modules whose code ends up in (or drives) a rewritten graph: a change to any of them
-# must invalidate cached graphs; changes elsewhere in the package must not.
-_PASS_MODULES = (
-    "config", "numerics", "geometry", "collectives", "comm", "state", "runtime",
-    "passes/gift_collectives", "passes/graph_utils", "passes/compiled_autograd",
-)
-_PASS_FILES = tuple(str(Path(__file__).parent / f"{name}.py") for name in _PASS_MODULES)
+# Every module whose code the pass traces into a graph, or that runs when the graph does
+# (layer_step, ops, runtime, state, ...): what the pass module imports, transitively.
+_PASS_FILES = tuple(str(path) for path in source_files("backend"))
 
 
 class GiftGraphPass(CustomGraphPass):
@@ -90,11 +93,16 @@ class GiftGraphPass(CustomGraphPass):
 class GiftBackend:
     """A torch.compile backend; ``.state`` is the checkpointable GIFT state, ``.runtime`` the counters."""
 
-    def __init__(self, config: GiftConfig, name: str = "default") -> None:
+    def __init__(self, config: GiftConfig, name: str = "gift", *, share_state_with: GiftBackend | None = None) -> None:
         if config.layers == "auto":
             raise ValueError("layers='auto' is resolved by the torchtitan integration's profiling run; give patterns here")
-        self.config, self.name = config, name
-        self.runtime: GiftRuntime = register_runtime(name, config)
+        self.config = config
+        if share_state_with is not None:
+            if share_state_with.config != config:
+                raise ValueError("gift_backend(share_state_with=...): a shared state needs the same GiftConfig")
+            self.name, self.runtime = share_state_with.name, share_state_with.runtime
+        else:
+            self.name, self.runtime = new_runtime(name, config)
         self.passes: list[GiftGraphPass] = []
         # Linear weight -> FQN, from forward graphs: compiled-autograd graphs name only parameters.
         self.linear_weights = WeakIdKeyDictionary()
@@ -104,11 +112,16 @@ class GiftBackend:
     def state(self) -> torch.nn.Module:
         return self.runtime.state
 
+    def load_state_dict(self, state_dict, model: torch.nn.Module | None = None) -> None:
+        """Restore ``state.state_dict()`` (this rank's, from the same number of ranks), checked
+        first (``GiftState.load_state_dict``), also against ``model``'s Linear shapes if given."""
+        self.runtime.state.load_state_dict(state_dict, shapes=linear_weight_shapes(model) if model is not None else None)
+
     def __call__(self, gm: fx.GraphModule, example_inputs):
         if not self.config.enabled:
             return compile_fx(gm, example_inputs)
         linears = linear_layers(gm)
-        remember_linear_weights(gm, linears, self.linear_weights)
+        weight_inputs = remember_linear_weights(gm, linears, self.linear_weights)
         output_weights = output_fqns(gm, self.linear_weights)
         if output_weights is not None:
             linears = [w.fqn for w in output_weights if w is not None]
@@ -117,7 +130,21 @@ class GiftBackend:
         graph_pass = GiftGraphPass(self.config, self.name, tuple(linears), selected, output_weights)
         graph_pass.before_backward = self.check_patterns
         self.passes.append(graph_pass)
-        return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": graph_pass})
+        compiled = compile_fx(gm, example_inputs, config_patches={"post_grad_custom_pre_pass": graph_pass})
+        return self._claiming(compiled, weight_inputs) if weight_inputs else compiled
+
+    def _claiming(self, compiled, weight_inputs: list[tuple[int, str]]):
+        """``compiled``, checking at every call that its Linear weights are the ones this
+        backend's state serves (``GiftRuntime.claim``): Dynamo may reuse one compiled graph for a
+        second model of the same class, whose layers would then share the first one's state."""
+        claim = self.runtime.claim
+
+        def run(*args):
+            for position, fqn in weight_inputs:
+                claim(fqn, args[position])
+            return compiled(*args)
+
+        return run
 
 
     def check_patterns(self) -> None:
@@ -135,20 +162,30 @@ def linear_layers(gm: fx.GraphModule) -> list[str]:
     return list(found)
 
 
-def gift_backend(config: GiftConfig | None = None, name: str = "default") -> GiftBackend:
+def gift_backend(config: GiftConfig | None = None, name: str = "gift", *, share_state_with: GiftBackend | None = None) -> GiftBackend:
     """The backend for ``torch.compile(model, backend=gift_backend(config))``.
 
-    ``name`` keys this backend's state in the process; use one name per model.
+    Each call owns a fresh state (``.state``, ``.runtime``); ``name`` only labels it (logs, the
+    generated namespace). ``share_state_with=other`` reuses ``other``'s state instead: for
+    several compiled functions of one model (a train step and an eval step), never for two models.
     """
-    return GiftBackend(config or GiftConfig(), name)
+    config = config or (share_state_with.config if share_state_with is not None else GiftConfig())
+    return GiftBackend(config, name, share_state_with=share_state_with)
 
 
 _DEFAULT: GiftBackend | None = None
 
 
-def default_gift_backend(gm: fx.GraphModule, example_inputs):
-    """``torch.compile(model, backend="gift")``: the default ``GiftConfig`` (entry point)."""
+def default_backend() -> GiftBackend:
+    """The backend behind ``torch.compile(model, backend="gift")`` (default ``GiftConfig``): its
+    ``.runtime.table()`` and ``.state`` are this process's. One model per process with it; give
+    more models a ``gift_backend()`` each."""
     global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = gift_backend(GiftConfig(), name="default")
-    return _DEFAULT(gm, example_inputs)
+    if _DEFAULT is None or not is_registered(_DEFAULT.name, _DEFAULT.runtime):  # runtimes forgotten (a test pool)
+        _DEFAULT = gift_backend(GiftConfig(), name="gift")
+    return _DEFAULT
+
+
+def default_gift_backend(gm: fx.GraphModule, example_inputs):
+    """``torch.compile(model, backend="gift")``: :func:`default_backend` (entry point)."""
+    return default_backend()(gm, example_inputs)

@@ -107,12 +107,13 @@ class GiftConfig:
     fallback_retry: int = 200
     """Steps a layer stays on its fallback before GIFT is tried again."""
 
-    layers: tuple[str, ...] | Literal["auto"] = ("w[qkvo]*",)
-    """Linear layers sent in whitened coordinates (default: the attention projections ``wq``,
-    ``wk``, ``wv``, ``wo`` or a fused ``wqkv``; the paper picks ``w2``). Each pattern is matched
+    layers: tuple[str, ...] | Literal["auto"] = ("*",)
+    """Linear layers sent in whitened coordinates (default ``"*"``: every Linear layer, whatever
+    its name, each kept no worse than Euclidean FP8 by the live meter and fallback; the attention
+    projections ``"w[qkvo]*"`` gain most on Llama, the paper picks ``w2``). Each pattern is matched
     with ``fnmatch`` component by component against the trailing components of the dotted FQN,
-    so ``"w2"`` selects ``layers.3.feed_forward.w2`` and ``"layers.[0-3].*.w2"`` the first four.
-    ``"auto"`` profiles FP8 boundary hits first (torchtitan integration)."""
+    so ``"w2"`` selects ``layers.3.feed_forward.w2`` and ``"layers.[0-3].*.w2"`` the first four;
+    ``()`` whitens nothing. ``"auto"`` profiles FP8 boundary hits first (torchtitan integration)."""
 
     euclidean_dtype: EuclideanDtype = "fp8"
     """How Linear weight gradients that are not selected travel: ``fp8``, ``bf16`` or ``fp32``."""

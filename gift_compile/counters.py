@@ -36,10 +36,19 @@ class LayerCounters:
     fallback_until: int | None = None
     """While set, the layer travels as Euclidean FP8 until this step (the meter said GIFT hurt)."""
     fallbacks: int = 0
+    restarts_reported: int = 0
+    """Restarts (see ``as_dict``'s ``restarts``) already logged."""
     # float64 [saturated, flushed] summed over steps, and [||err||^2, ||payload||^2] of the last
     # step in the gradient's own coordinates, kept on the device that computed them.
     _hits: torch.Tensor | None = field(default=None, repr=False)
     _last_squares: torch.Tensor | None = field(default=None, repr=False)
+    _restarts: torch.Tensor | None = field(default=None, repr=False)
+
+    def add_restart(self, restarted: torch.Tensor) -> None:
+        """Count a fresh start of the layer's geometry (a 0-d bool on the device, no sync)."""
+        if self._restarts is None:
+            self._restarts = torch.zeros((), dtype=torch.int64, device=restarted.device)
+        self._restarts.add_(restarted.long())
 
     def add_step(self, stats: torch.Tensor, bytes_sent: int, stats_bytes: int = 0) -> None:
         """Count one step whose encoding reported ``stats`` (``comm.Reduction.stats``)."""
@@ -65,6 +74,7 @@ class LayerCounters:
             "saturated": int(saturated), "flushed": int(flushed), "refreshes": self.refreshes,
             "last_refresh_step": self.last_refresh_step, "last_rel_error": rel_error,
             "error_vs_fp8": self.error_vs_fp8, "fallback_until": self.fallback_until, "fallbacks": self.fallbacks,
+            "restarts": 0 if self._restarts is None else int(self._restarts),
         }
 
     @property
@@ -90,10 +100,10 @@ def counters_table(counters: dict[str, LayerCounters]) -> str:
         path = d["path"] if d["fallback_until"] is None else f"{d['path']} (FP8 until step {d['fallback_until']})"
         rows.append((
             fqn, path, d["steps"], d["bytes_sent"], d["stats_bytes"], d["saturated"], d["flushed"],
-            _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), d["fallbacks"],
+            _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), d["fallbacks"], d["restarts"],
         ))
     headers = ["layer", "path", "steps", "bytes sent", "stats bytes", "saturated", "flushed",
-               "last rel. error", "error vs fp8", "fallbacks"]
+               "last rel. error", "error vs fp8", "fallbacks", "restarts"]
     return tabulate(rows, headers=headers)
 
 

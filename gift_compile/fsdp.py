@@ -51,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
+from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.comm import Reduction, euclidean_reduce, fp8_reduce
 from gift_compile.layer_step import EagerAccess, LayerPlan, issue_statistics, reduce_layer
@@ -137,9 +138,13 @@ class FsdpRoute:
     """HSDP's replicate dimension (each group's all-reduce hook), or None."""
     codec: Callable[..., Reduction] = compiled_fp8_reduce
     """The FP8 codec body: compiled (the default), or ``comm.fp8_reduce`` itself (``install(compile_codec=False)``)."""
+    groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    """Every group this route sends over (each shard group, the replicas), by name: the agreement's."""
+    device: torch.device | None = None
 
     def select(self, model: nn.Module, layers) -> None:
-        """Whiten ``layers`` from the next step on (each gets its forward statistics hook once)."""
+        """Whiten ``layers`` from the next step on (each gets its forward statistics hook once).
+        First the ranks agree on the whole route (agreement.py), on every group it sends over."""
         layers = frozenset(layers)
         if layers and not self.plans:
             log.info("GIFT: every FSDP shard group has one rank: nothing to communicate, gradients stay as they are")
@@ -148,10 +153,22 @@ class FsdpRoute:
         if missing:
             raise ValueError(f"GIFT layers {missing} are not Linear weights of any fully_shard parameter group; "
                              f"those are: {sorted(self.plans)}")
+        runtime = get_runtime(self.namespace)
+        description = self.describe(runtime.config, layers)
+        for group in self.groups.values():
+            runtime.agree(group, description, self.device)
         for fqn in sorted(layers - self.hooked):
             model.get_submodule(fqn).register_forward_hook(_input_hook(self.namespace, fqn))
             self.hooked.add(fqn)
         self.selected = layers
+
+    def describe(self, config, selected: frozenset[str]) -> str:
+        """What this rank's reduce-scatters (and replica all-reduces) will send, parameter by parameter."""
+        entries = [("route", f"embedding {self.embedding_dtype}, euclidean {self.euclidean_dtype}, groups {len(self.groups)}")]
+        for s in self.segments:
+            kind = "gift" if s.layer in selected else ("linear" if s.layer else f"{len(s.shape)}-d")
+            entries.append((s.name, f"{kind} {list(s.shape)} x{s.world}"))
+        return describe(config, entries)
 
     @classmethod
     def of(cls, runtime: GiftRuntime) -> FsdpRoute:
@@ -272,11 +289,24 @@ def normalize_op(op) -> tuple[str, float | None]:
 @torch.library.custom_op("gift::record_input", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def record_input(namespace: str, fqn: str, layer_input: torch.Tensor) -> None:
     """Start a selected layer's step from its forward input (``layer_step.issue_statistics``).
-    A second forward of the same step (activation-checkpoint recompute) changes nothing."""
+
+    The statistics a reduce-scatter uses are those of the layer's latest forward before it: a
+    train-mode forward that no backward follows (a peek, a discarded micro-batch) is replaced
+    by the next forward, so it changes nothing. A forward run inside the backward (activation
+    checkpointing's recompute) keeps the original's; with gradient accumulation the last
+    micro-batch's forward sets the factors."""
     runtime = get_runtime(namespace)
     route = FsdpRoute.of(runtime)
-    if fqn in route.selected and fqn not in route.pending:
-        route.pending[fqn] = issue_statistics(route.plans[fqn], EagerAccess(runtime), layer_input)
+    if fqn not in route.selected:
+        return
+    earlier = route.pending.get(fqn)
+    if earlier is not None:
+        if torch._C._current_graph_task_id() != -1:  # a recompute inside the backward
+            return
+        sketch = earlier[1]
+        if sketch is not None:
+            torch.ops._c10d_functional.wait_tensor(sketch)  # its all-reduce is in flight: finish it, drop it
+    route.pending[fqn] = issue_statistics(route.plans[fqn], EagerAccess(runtime), layer_input)
 
 
 @record_input.register_fake
@@ -328,6 +358,7 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
                 "the replicate dimension's group as install(..., replicate_group=)"
             )
         shard_group = group.mesh_info.shard_process_group
+        route.device = group.device
         segments = group_segments(group.fsdp_params, names, dist.get_world_size(shard_group))
         if dist.get_world_size(shard_group) == 1:
             if replicate_group is not None and dist.get_world_size(replicate_group) > 1:
@@ -335,6 +366,7 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
                                  "GIFT whitens the reduce-scatter; shard over more than one rank")
             continue  # FSDP does not reduce-scatter over one rank (it copies): nothing to send
         route.segments += segments
+        route.groups[shard_group.group_name] = shard_group
         comm = GiftReduceScatter(segments, namespace)
         module.set_custom_reduce_scatter(comm)
         if replicate_group is not None:
@@ -343,6 +375,8 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
             if segment.layer is not None:
                 route.plans[segment.layer] = LayerPlan(segment.layer, segment.shape[0], segment.cols, True, "reduce_scatter", "sum",
                                                        shard_group.group_name, runtime.config)
+    if replicate_group is not None and route.segments:
+        route.groups[replicate_group.group_name] = replicate_group
     route.select(model, selected)
     return route
 

@@ -169,66 +169,89 @@ def sketch_numel(dim: int, rank: int) -> int:
 # order Inductor would change, so the compiled graph and the eager reference stay bit-identical.
 
 
+# The sketch is sent in fp32, and ``sum_t x_t x_t^T`` overflows fp32 for inputs of about 1e17
+# and up (where the gradient ``dY^T X`` is still far inside fp32's range). So every rank scales
+# its rows by the same power of two ``s`` first: a power of two scales each product exactly, so
+# ``s^2 X^T X Q`` has the same digits as ``X^T X Q``, and the factors are computed from the
+# unscaled values (``/ s^2`` in float64, exact). ``s`` is state, derived from the previous step's
+# summed trace (so every rank holds the same one), aiming at elements of magnitude ~1.
+SKETCH_SCALE_SHRINK = 2.0**-32
+"""A sketch that still overflowed (the first steps of huge inputs): the next step's ``s`` is this
+much smaller (4 steps from 1 to fp32's largest inputs), and this step sends with ``T = I``."""
+_SCALE_EXPONENT = (-120, 120)  # s stays a normal fp32 power of two, s^2 a normal float64
+
+
 @torch.library.custom_op("gift::input_sketch", mutates_args=())
-def input_sketch(x: torch.Tensor, basis: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
+def input_sketch(x: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
     """This rank's share of the current-step statistics, packed for one sum all-reduce:
-    ``[X^T (X Q) (d*r), sum x^2, tokens]`` in fp32. Costs ``4 tokens d r`` flops, no ``d x d``."""
+    ``s^2 [X^T (X Q) (d*r), sum x^2, 0] + [0, 0, tokens]`` in fp32, with ``s = scale`` (see above).
+    Costs ``4 tokens d r`` flops, no ``d x d``."""
     rows = token_rows(x, max_tokens).float()
-    projected = rows.T @ (rows @ basis)
-    extras = torch.stack([rows.square().sum(), torch.full((), rows.shape[0], dtype=torch.float32, device=rows.device)])
+    projected = rows.T @ ((rows @ (basis * scale)) * scale)
+    trace = torch.linalg.vector_norm(rows, dtype=torch.float64).square() * scale.double().square()
+    extras = torch.stack([trace.float(), torch.full((), rows.shape[0], dtype=torch.float32, device=rows.device)])
     return torch.cat([projected.reshape(-1), extras])
 
 
 @input_sketch.register_fake
-def _(x, basis, max_tokens=None):
+def _(x, basis, scale, max_tokens=None):
     return basis.new_empty(sketch_numel(*basis.shape))
 
 
 @torch.library.custom_op("gift::whitening_from_sketch", mutates_args=())
-def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, damping: float) -> list[torch.Tensor]:
+def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: float) -> list[torch.Tensor]:
     d, r = basis.shape
-    # No host sync on a bad value: a non-finite sketch is zeroed for the factorizations (LAPACK
-    # rejects NaN), its NaN is added back to every factor, and the previous basis is kept.
+    # No host sync on a bad value: a sketch that is not finite (an input with NaN/Inf, or one so
+    # large the sketch overflowed before ``scale`` adapted) gives T = I for this step, keeps the
+    # basis, and shrinks the scale. The gradient then travels as Euclidean FP8: a NaN input's
+    # gradient is NaN there too (visible, never hidden), a huge one's is sent finite.
     finite = torch.isfinite(sketch).all()
-    poison = sketch.double().sum() * 0.0  # 0, or NaN when the sketch is not finite
     sketch = torch.where(torch.isfinite(sketch), sketch, torch.zeros_like(sketch))
+    unscale = scale.double().square().reciprocal()  # exact: a power of two
     tokens = sketch[-1].clamp_min(1.0).double()
-    w = sketch[: d * r].reshape(d, r)
-    rayleigh = (basis.T @ w).double() / tokens
+    w = sketch[: d * r].reshape(d, r)  # s^2 W: the same digits as W
+    rayleigh = (basis.T @ w).double() * unscale / tokens
     values, vectors = torch.linalg.eigh((rayleigh + rayleigh.T) / 2)
     values = values.flip(0).clamp_min(0.0)
     ritz = basis.double() @ vectors.flip(1)
-    trace = sketch[-2].double() / tokens
+    trace = sketch[-2].double() * unscale / tokens
     shift = damping * (trace / d).clamp_min(1e-30)
     damped = values + shift
     if r < d:
         rest = ((trace - values.sum()) / (d - r)).clamp_min(0.0) + shift
-        scale, scale_inv = rest.rsqrt(), rest.sqrt()
+        iso, iso_inv = rest.rsqrt(), rest.sqrt()
     else:  # full rank: no isotropic rest
-        scale = scale_inv = torch.zeros((), dtype=torch.float64, device=sketch.device)
+        iso = iso_inv = torch.zeros((), dtype=torch.float64, device=sketch.device)
     next_basis = torch.where(finite, torch.linalg.qr(w.double()).Q, basis.double())
-    factors = [ritz, damped.rsqrt() - scale, damped.sqrt() - scale_inv, scale, scale_inv]
-    return [(t + poison).float().contiguous() for t in factors] + [next_basis.float().contiguous()]
+    factors = [damped.rsqrt() - iso, damped.sqrt() - iso_inv, iso, iso_inv]
+    identity = [torch.zeros_like(factors[0]), torch.zeros_like(factors[1]), torch.ones_like(iso), torch.ones_like(iso)]
+    factors = [torch.where(finite, f, i) for f, i in zip(factors, identity)]
+    mean_square = trace / d  # of one input element, unscaled: the next scale brings it to ~1
+    exponent = (-0.5 * torch.log2(mean_square)).round().clamp(*_SCALE_EXPONENT)
+    rescaled = torch.where(mean_square > 0, torch.exp2(exponent), scale.double())
+    next_scale = torch.where(finite, rescaled, (scale.double() * SKETCH_SCALE_SHRINK).clamp_min(2.0**_SCALE_EXPONENT[0]))
+    return [t.float().contiguous() for t in [ritz, *factors, next_basis, next_scale]]
 
 
 @_whitening_from_sketch.register_fake
-def _(sketch, basis, damping):
+def _(sketch, basis, scale, damping):
     d, r = basis.shape
-    return [basis.new_empty(shape) for shape in ((d, r), (r,), (r,), (), (), (d, r))]
+    return [basis.new_empty(shape) for shape in ((d, r), (r,), (r,), (), (), (d, r), ())]
 
 
-def whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, damping: float) -> tuple[Whitening, torch.Tensor]:
-    """``(T, next basis)`` from the all-reduced ``input_sketch`` of every rank.
+def whitening_from_sketch(
+    sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: float
+) -> tuple[Whitening, torch.Tensor, torch.Tensor]:
+    """``(T, next basis, next sketch scale)`` from the all-reduced ``input_sketch`` of every rank.
 
     With ``W = A Q`` (``A`` the token mean of ``x x^T`` over all ranks), Rayleigh-Ritz on the
     orthonormal ``Q`` gives eigenpairs of ``Q^T A Q = Q^T W``; the rest of the spectrum is
     ``sigma = (tr A - sum l) / (d - r)``. Both are damped by ``damping * tr(A) / d``. The next
-    basis is ``qr(W)``: one more subspace-iteration step, with this step's inputs. A non-finite
-    sketch (a NaN input) keeps the previous basis, so one bad step cannot poison later ones
-    (its transform is NaN, and so is the gradient it reduces: visible, never hidden).
+    basis is ``qr(W)``: one more subspace-iteration step, with this step's inputs. A sketch that
+    is not finite gives ``T = I`` and keeps the basis (see the op above).
     """
-    *factors, next_basis = torch.ops.gift.whitening_from_sketch(sketch, basis, damping)
-    return Whitening.from_list("lowrank", factors), next_basis
+    ritz, *rest, next_basis, next_scale = torch.ops.gift.whitening_from_sketch(sketch, basis, scale, damping)
+    return Whitening.from_list("lowrank", [ritz, *rest]), next_basis, next_scale
 
 
 # ----------------------------------------------------------------------------- periodic

@@ -79,6 +79,11 @@ class LayerPlan:
     def bytes_sent(self) -> int:
         return bytes_sent((self.d_out, self.d_in), self.world, self.wire, self.collective, self.config.all_gather_dtype)
 
+    def describe(self) -> str:
+        """What this step sends, for the ranks' agreement (agreement.py)."""
+        path = "gift" if self.whitened else "euclidean+ef"
+        return f"{path} fp8 {self.collective}({self.op}) {[self.d_out, self.d_in]} x{self.world}"
+
     @property
     def stats_bytes(self) -> int:
         return all_reduce_bytes(sketch_numel(self.d_in, self.low_rank), self.world) if self.current_step else 0
@@ -87,10 +92,12 @@ class LayerPlan:
 class StateAccess(Protocol):
     """How a step reaches its layer's state (eagerly, or through the ``gift::`` ops)."""
 
-    def begin(self, plan: LayerPlan, layer_input: torch.Tensor) -> torch.Tensor:
-        """Start the step; a 0-d float on the input's device: 1.0 whiten, 0.0 fallback (T = I)."""
+    def begin(self, plan: LayerPlan, layer_input: torch.Tensor, agreed: torch.Tensor | None) -> torch.Tensor:
+        """Start the step; a 0-d float on the input's device: 1.0 whiten, 0.0 fallback (T = I).
+        ``agreed`` (a compiled graph's ``gift::agree`` result) orders the step after the ranks' check."""
 
-    def basis(self, plan: LayerPlan, token: torch.Tensor) -> torch.Tensor: ...
+    def basis(self, plan: LayerPlan, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The subspace basis and the sketch's scale (``geometry.input_sketch``)."""
 
     def factors(self, plan: LayerPlan, token: torch.Tensor) -> list[torch.Tensor]: ...
 
@@ -100,32 +107,35 @@ class StateAccess(Protocol):
 
     def meter(self, plan: LayerPlan, grad: torch.Tensor, token: torch.Tensor) -> None: ...
 
-    def end(self, plan: LayerPlan, token: torch.Tensor, reduction: Reduction, next_basis: torch.Tensor | None) -> None: ...
+    def end(
+        self, plan: LayerPlan, token: torch.Tensor, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None
+    ) -> None: ...
 
 
 def issue_statistics(
-    plan: LayerPlan, access: StateAccess, layer_input: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    plan: LayerPlan, access: StateAccess, layer_input: torch.Tensor, agreed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """First half: begin the step and start the all-reduce of this rank's input sketch.
-    Returns ``(token, summed sketch (to be waited on) or None, basis or None)``."""
-    token = access.begin(plan, layer_input)
+    Returns ``(token, summed sketch (to be waited on), basis, sketch scale)``, the last three
+    None without current-step factors."""
+    token = access.begin(plan, layer_input, agreed)
     if not plan.current_step:
-        return token, None, None
-    basis = access.basis(plan, token)
-    sketch = input_sketch(layer_input, basis, plan.config.stats_max_tokens)
-    return token, c10d.all_reduce(sketch, "sum", plan.group_name), basis
+        return token, None, None, None
+    basis, scale = access.basis(plan, token)
+    sketch = input_sketch(layer_input, basis, scale, plan.config.stats_max_tokens)
+    return token, c10d.all_reduce(sketch, "sum", plan.group_name), basis, scale
 
 
 def reduce_layer(
-    plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, sketch: torch.Tensor | None, basis: torch.Tensor | None,
-    *, reduce=fp8_reduce,
+    plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, sketch: torch.Tensor | None,
+    basis: torch.Tensor | None, scale: torch.Tensor | None, *, reduce=fp8_reduce,
 ) -> torch.Tensor:
     """Second half: factors, meter, the FP8 reduction with error feedback, ``end_step``.
     ``reduce`` is :func:`comm.fp8_reduce` or a compiled version of it (the FSDP route)."""
-    whitening, next_basis = None, None
+    whitening, next_basis, next_scale = None, None, None
     if plan.whitened:
         if plan.current_step:
-            whitening, next_basis = whitening_from_sketch(c10d.wait_tensor(sketch), basis, plan.config.damping)
+            whitening, next_basis, next_scale = whitening_from_sketch(c10d.wait_tensor(sketch), basis, scale, plan.config.damping)
         else:
             whitening = Whitening.from_list(plan.config.whitening_layout, access.factors(plan, token))
         whitening = whitening.or_identity(token)
@@ -136,7 +146,7 @@ def reduce_layer(
         grad, whitening, residual, gather_residual, op=plan.op, group=plan.group, wire=plan.wire,
         collective=plan.collective, gather_dtype=plan.config.all_gather_dtype,
     )
-    access.end(plan, token, reduction, next_basis)
+    access.end(plan, token, reduction, next_basis, next_scale)
     return reduction.output
 
 
@@ -146,12 +156,13 @@ class EagerAccess:
     def __init__(self, runtime: GiftRuntime) -> None:
         self.runtime = runtime
 
-    def begin(self, plan, layer_input):
+    def begin(self, plan, layer_input, agreed=None):
         on = self.runtime.begin_step(plan.fqn, plan.d_out, plan.d_in, plan.whitened, layer_input, plan.group)
         return torch.full((), float(on), device=layer_input.device)
 
     def basis(self, plan, token):
-        return self.runtime.layer(plan.fqn).basis
+        layer = self.runtime.layer(plan.fqn)
+        return layer.basis, layer.sketch_scale
 
     def factors(self, plan, token):
         return self.runtime.layer(plan.fqn).factor_tensors()
@@ -165,15 +176,14 @@ class EagerAccess:
     def meter(self, plan, grad, token):
         self.runtime.meter(plan.fqn, grad)
 
-    def end(self, plan, token, reduction, next_basis):
-        self.runtime.end_step(plan.fqn, plan.group, reduction, next_basis, plan.bytes_sent, plan.stats_bytes)
+    def end(self, plan, token, reduction, next_basis, next_scale):
+        self.runtime.end_step(plan.fqn, plan.group, reduction, next_basis, next_scale, plan.bytes_sent, plan.stats_bytes)
 
 
 def step_eagerly(plan: LayerPlan, runtime: GiftRuntime, grad: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
     """Both halves back to back, on ``runtime``: one layer's step in the eager reference."""
     access = EagerAccess(runtime)
-    token, sketch, basis = issue_statistics(plan, access, layer_input)
-    return reduce_layer(plan, access, grad, token, sketch, basis)
+    return reduce_layer(plan, access, grad, *issue_statistics(plan, access, layer_input))
 
 
 __all__ = ["EagerAccess", "LayerPlan", "StateAccess", "issue_statistics", "reduce_layer", "step_eagerly"]

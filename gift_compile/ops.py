@@ -6,18 +6,22 @@ therefore inserts calls to these ops, which carry only strings and ints (namespa
 FQN, process-group name, shapes) and look the runtime up (``runtime.get_runtime``) on every
 call. :class:`OpsAccess` is the ``layer_step.StateAccess`` that emits them::
 
-    token = gift::begin_step(ns, fqn, group, d_out, d_in, whitened, layer_input)
+    ok    = gift::agree(ns, groups, description, like)                   first thing in the graph
+            the ranks compare what they are about to send (agreement.py), once per graph; 1.0
+    token = gift::begin_step(ns, fqn, group, d_out, d_in, whitened, layer_input, ok)
             create/place the layer state, refresh periodic factors when due; 1.0 (whiten) or 0.0 (fallback)
-    Q     = gift::load_basis(ns, fqn, d_in, low_rank, token)      copy of the subspace basis
+    Q, s  = gift::load_basis(ns, fqn, d_in, low_rank, token)      copies of the subspace basis and sketch scale
     T...  = gift::load_factors(ns, fqn, d_in, low_rank, token)    copies of the periodic factors
     R     = gift::load_residual(ns, fqn, d_out, d_in, token)      the residual itself
     R2    = gift::load_gather_residual(ns, fqn, rows, cols, token)
     gift::meter(ns, fqn, grad, token)                             a shadow FP8 round trip on meter steps
     ... whiten, quantize, FP8 collectives, unwhiten (plain aten ops, fused by Inductor) ...
-    gift::end_step(ns, fqn, group, token, R', R2', Q', stats, bytes, stats_bytes)
+    gift::end_step(ns, fqn, group, token, R', R2', Q', s', stats, bytes, stats_bytes)
     gift::record_euclidean(ns, fqn, path, stats, bytes)           counters of a stateless Euclidean step
 
-The ``token`` data dependency orders the ops; ``meter``, ``end_step`` and ``record_euclidean``
+Every collective the pass adds depends on ``ok`` (through ``begin_step``, or as ``grad * ok``
+on the stateless Euclidean path), so no reordering can put one before the agreement. The
+``token`` data dependency orders the ops; ``meter``, ``end_step`` and ``record_euclidean``
 are marked side-effecting so dead-code elimination keeps them.
 
 Residuals are never copied: ``load_residual`` hands out the state tensor and ``end_step``
@@ -44,25 +48,42 @@ from gift_compile.runtime import get_runtime
 _RUNS_PYTHON = (torch.Tag.cudagraph_unsafe,)
 
 
+@torch.library.custom_op("gift::agree", mutates_args=(), tags=_RUNS_PYTHON)
+def agree(namespace: str, group_names: str, description: str, like: torch.Tensor) -> torch.Tensor:
+    runtime = get_runtime(namespace)
+    for name in group_names.split(","):  # a schema takes no list of strings
+        runtime.agree(_resolve_process_group(name), description, like.device)
+    return torch.ones((), device=like.device)
+
+
+@agree.register_fake
+def _(namespace, group_names, description, like):
+    return like.new_empty((), dtype=torch.float32)
+
+
 @torch.library.custom_op("gift::begin_step", mutates_args=(), tags=_RUNS_PYTHON)
-def begin_step(namespace: str, fqn: str, group_name: str, d_out: int, d_in: int, whitened: bool, layer_input: torch.Tensor) -> torch.Tensor:
+def begin_step(
+    namespace: str, fqn: str, group_name: str, d_out: int, d_in: int, whitened: bool, layer_input: torch.Tensor, agreed: torch.Tensor
+) -> torch.Tensor:
     on = get_runtime(namespace).begin_step(fqn, d_out, d_in, whitened, layer_input, _resolve_process_group(group_name))
     return torch.full((), float(on), device=layer_input.device)
 
 
 @begin_step.register_fake
-def _(namespace, fqn, group_name, d_out, d_in, whitened, layer_input):
+def _(namespace, fqn, group_name, d_out, d_in, whitened, layer_input, agreed):
     return layer_input.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("gift::load_basis", mutates_args=(), tags=_RUNS_PYTHON)
-def load_basis(namespace: str, fqn: str, d_in: int, low_rank: int, token: torch.Tensor) -> torch.Tensor:
-    return get_runtime(namespace).layer(fqn).basis.clone(memory_format=torch.contiguous_format)  # d_in x rank: small, and end_step overwrites the state
+def load_basis(namespace: str, fqn: str, d_in: int, low_rank: int, token: torch.Tensor) -> list[torch.Tensor]:
+    layer = get_runtime(namespace).layer(fqn)
+    # copies (d_in x rank and a scalar: small), because end_step overwrites the state
+    return [layer.basis.clone(memory_format=torch.contiguous_format), layer.sketch_scale.clone()]
 
 
 @load_basis.register_fake
 def _(namespace, fqn, d_in, low_rank, token):
-    return token.new_empty((d_in, low_rank))
+    return [token.new_empty((d_in, low_rank)), token.new_empty(())]
 
 
 @torch.library.custom_op("gift::load_factors", mutates_args=(), tags=_RUNS_PYTHON)
@@ -109,19 +130,20 @@ def _(namespace, fqn, grad, token):
 @torch.library.custom_op("gift::end_step", mutates_args=(), tags=_RUNS_PYTHON)
 def end_step(
     namespace: str, fqn: str, group_name: str, token: torch.Tensor, residual: torch.Tensor | None,
-    gather_residual: torch.Tensor | None, next_basis: torch.Tensor | None, stats: torch.Tensor, bytes_sent: int, stats_bytes: int,
+    gather_residual: torch.Tensor | None, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None, stats: torch.Tensor,
+    bytes_sent: int, stats_bytes: int,
 ) -> None:
     reduction = Reduction(stats, residual, gather_residual, stats)  # output unused by end_step
-    get_runtime(namespace).end_step(fqn, _resolve_process_group(group_name), reduction, next_basis, bytes_sent, stats_bytes)
+    get_runtime(namespace).end_step(fqn, _resolve_process_group(group_name), reduction, next_basis, next_scale, bytes_sent, stats_bytes)
 
 
 @end_step.register_fake
-def _(namespace, fqn, group_name, token, residual, gather_residual, next_basis, stats, bytes_sent, stats_bytes):
+def _(namespace, fqn, group_name, token, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes):
     return None
 
 
 @register_lowering(torch.ops.gift.end_step.default, type_promotion_kind=None)
-def _lower_end_step(namespace, fqn, group_name, token, residual, gather_residual, next_basis, stats, bytes_sent, stats_bytes):
+def _lower_end_step(namespace, fqn, group_name, token, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes):
     for kept in (residual, gather_residual):
         if kept is not None:
             # end_step keeps this buffer as the layer's residual: no later buffer of the graph may
@@ -129,7 +151,7 @@ def _lower_end_step(namespace, fqn, group_name, token, residual, gather_residual
             kept.realize()
             V.graph.never_reuse_buffers.add(kept.get_name())
     return fallback_handler(torch.ops.gift.end_step.default, add_to_fallback_set=False)(
-        namespace, fqn, group_name, token, residual, gather_residual, next_basis, stats, bytes_sent, stats_bytes
+        namespace, fqn, group_name, token, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes
     )
 
 
@@ -143,7 +165,8 @@ def _(namespace, fqn, path, stats, bytes_sent):
     return None
 
 
-for _op in (torch.ops.gift.meter.default, torch.ops.gift.end_step.default, torch.ops.gift.record_euclidean.default):
+for _op in (torch.ops.gift.agree.default, torch.ops.gift.meter.default, torch.ops.gift.end_step.default,
+            torch.ops.gift.record_euclidean.default):
     torch.fx.node.has_side_effect(_op)
 
 
@@ -153,8 +176,8 @@ class OpsAccess:
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
 
-    def begin(self, plan: LayerPlan, layer_input):
-        return torch.ops.gift.begin_step(self.namespace, plan.fqn, plan.group_name, plan.d_out, plan.d_in, plan.whitened, layer_input)
+    def begin(self, plan: LayerPlan, layer_input, agreed):
+        return torch.ops.gift.begin_step(self.namespace, plan.fqn, plan.group_name, plan.d_out, plan.d_in, plan.whitened, layer_input, agreed)
 
     def basis(self, plan, token):
         return torch.ops.gift.load_basis(self.namespace, plan.fqn, plan.d_in, plan.low_rank, token)
@@ -172,10 +195,10 @@ class OpsAccess:
     def meter(self, plan, grad, token):
         torch.ops.gift.meter(self.namespace, plan.fqn, grad, token)
 
-    def end(self, plan, token, reduction, next_basis):
+    def end(self, plan, token, reduction, next_basis, next_scale):
         torch.ops.gift.end_step(
             self.namespace, plan.fqn, plan.group_name, token, reduction.residual, reduction.gather_residual,
-            next_basis, reduction.stats, plan.bytes_sent, plan.stats_bytes,
+            next_basis, next_scale, reduction.stats, plan.bytes_sent, plan.stats_bytes,
         )
 
 
@@ -183,4 +206,8 @@ def record_euclidean_step(namespace: str, fqn: str, path: str, stats: torch.Tens
     torch.ops.gift.record_euclidean(namespace, fqn, path, stats, bytes_sent)
 
 
-__all__ = ["OpsAccess", "record_euclidean_step"]
+def agree_first(namespace: str, group_names: list[str], description: str, like: torch.Tensor) -> torch.Tensor:
+    return torch.ops.gift.agree(namespace, ",".join(group_names), description, like)
+
+
+__all__ = ["OpsAccess", "agree_first", "record_euclidean_step"]

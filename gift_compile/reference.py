@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, resolve_group
 from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
@@ -53,6 +54,8 @@ class GiftReducer:
     ) -> torch.Tensor:
         """One step of one layer (``whitened=False``: Euclidean FP8 with error feedback)."""
         plan = LayerPlan(fqn, grad.shape[0], grad.shape[1], whitened, collective, op, self.group.group_name, self.config)
+        # The ranks agree on this layer's step before its first collective (agreement.py).
+        self.runtime.agree(self.group, describe(self.config, [(fqn, plan.describe())]), grad.device)
         return step_eagerly(plan, self.runtime, grad, layer_input)
 
 
@@ -83,6 +86,10 @@ class GiftReference(GiftReducer):
         """Replace every parameter's ``.grad`` by its reduction over the group."""
         euclidean = WireFormat.euclidean(self.config) if self.config.enabled else _FP32
         linear_weights = {f"{fqn}.weight" if fqn else "weight": fqn for fqn in self.linears}
+        params = [(name, p) for name, p in self.model.named_parameters() if p.grad is not None]
+        if params:  # every rank reduces the same parameters, the same way (agreement.py)
+            paths = [(name, f"{'gift' if linear_weights.get(name) in self.selected else 'reduced'} {list(p.shape)}") for name, p in params]
+            self.runtime.agree(self.group, describe(self.config, paths), params[0][1].device)
         for name, param in self.model.named_parameters():
             if param.grad is None:
                 continue

@@ -8,17 +8,23 @@ share every line of state handling.
 
 from __future__ import annotations
 
+import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from gift_compile.agreement import agree
 from gift_compile.comm import Reduction
 from gift_compile.config import GiftConfig
 from gift_compile.counters import LayerCounters, counters_table
 from gift_compile.numerics import fp8_round_trip
 from gift_compile.state import GiftLayerState, GiftState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,15 +36,54 @@ class GiftRuntime:
     counters: dict[str, LayerCounters] = field(default_factory=dict)
     integration: Any = None
     """What an integration's graph pass needs from its session (torchtitan: ``graph_pass.PassContext``)."""
+    agreed: set[tuple[str, str]] = field(default_factory=set)
+    """``(group name, description)`` pairs the ranks already agreed on (``agreement.agree``)."""
+    owners: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    """Linear FQN -> the weight whose gradients this runtime's state of that layer belongs to."""
 
     def __post_init__(self) -> None:
         self.state = GiftState(self.config)
+
+    def agree(self, group: dist.ProcessGroup, description: str, device: torch.device) -> None:
+        """The ranks' check before GIFT's first collective of a graph or group; once per description."""
+        key = (group.group_name, description)
+        if key not in self.agreed:
+            agree(description, group, device)
+            self.agreed.add(key)
+
+    def claim(self, fqn: str, weight: torch.nn.Parameter) -> None:
+        """Record that layer ``fqn``'s state belongs to ``weight``; a second model whose layer has
+        the same FQN would otherwise share its residual, basis, step and meter."""
+        owner = self.owners.get(fqn)
+        if owner is weight:
+            return
+        if owner is not None:
+            raise ValueError(
+                f"GIFT: two models with a layer named {fqn!r} are compiled with the same GIFT backend, so they would "
+                "share that layer's residual, basis and step counter; give each model its own backend: "
+                "torch.compile(model, backend=gift_backend(config)) per model"
+            )
+        self.owners[fqn] = weight
 
     def counter(self, fqn: str, path: str) -> LayerCounters:
         return self.counters.setdefault(fqn, LayerCounters(path))
 
     def table(self) -> str:
+        self.report_restarts()
         return counters_table(self.counters)
+
+    def report_restarts(self) -> int:
+        """Log the layers whose basis or factors were restarted since the last report; returns
+        the total (a host read of the device-side counts: call it when reporting, not per step)."""
+        total = 0
+        for fqn, counter in self.counters.items():
+            restarts = counter.as_dict()["restarts"]
+            if restarts > counter.restarts_reported:
+                log.warning("GIFT layer %s: its basis/factors were not finite and restarted fresh (%d time(s) so far)",
+                            fqn, restarts)
+                counter.restarts_reported = restarts
+            total += restarts
+        return total
 
     def bytes_per_step(self) -> dict[str, float]:
         """Mean bytes sent per step, by path (and ``stats`` for the current-step statistics)."""
@@ -58,10 +103,12 @@ class GiftRuntime:
         """Create or place the layer's state, refresh periodic factors when due; returns whether
         the layer whitens this step."""
         layer = self.state.layer(fqn, d_out, d_in, layer_input.device, whitened=whitened)
+        counter = self.counter(fqn, self.path(whitened))
+        if whitened:
+            counter.add_restart(layer.restart_if_not_finite())
         refreshes = int(layer.refreshes)
         on = layer.begin_step(layer_input, group)
         if int(layer.refreshes) != refreshes:
-            counter = self.counter(fqn, self.path(whitened))
             counter.refreshes += 1
             counter.last_refresh_step = int(layer.step)
         return on
@@ -78,7 +125,8 @@ class GiftRuntime:
             layer.hold_meter(error.square().sum(), g.square().sum())
 
     def end_step(
-        self, fqn: str, group, reduction: Reduction, next_basis: torch.Tensor | None, bytes_sent: int, stats_bytes: int
+        self, fqn: str, group, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None,
+        bytes_sent: int, stats_bytes: int,
     ) -> None:
         layer = self.state.layer(fqn)
         counter = self.counter(fqn, self.path(layer.whitened))
@@ -88,7 +136,7 @@ class GiftRuntime:
             counter.error_vs_fp8 = ratio
         if int(layer.fallback_until) != before:
             counter.fallbacks += 1
-        layer.end_step(reduction.residual, reduction.gather_residual, next_basis)
+        layer.end_step(reduction.residual, reduction.gather_residual, next_basis, next_scale)
         counter.fallback_until = None if layer.whitening_on() or not layer.whitened else int(layer.fallback_until)
         counter.add_step(reduction.stats, bytes_sent, stats_bytes)
 
@@ -102,24 +150,40 @@ _LOCK = threading.Lock()
 
 
 def register_runtime(namespace: str, config: GiftConfig) -> GiftRuntime:
-    """Create (or return the existing, same-config) runtime of ``namespace``."""
+    """Create (or return the existing, same-config) runtime of ``namespace``: for an integration
+    that owns one well-known namespace per process (torchtitan's session, FSDP2's install)."""
     with _LOCK:
         existing = _RUNTIMES.get(namespace)
         if existing is not None:
             if existing.config != config:
-                raise ValueError(
-                    f"GIFT namespace {namespace!r} is already in use with another config; "
-                    "pass a distinct name= to gift_backend for each model"
-                )
+                raise ValueError(f"GIFT namespace {namespace!r} is already in use with another config")
             return existing
         _RUNTIMES[namespace] = runtime = GiftRuntime(config)
         return runtime
+
+
+def new_runtime(prefix: str, config: GiftConfig) -> tuple[str, GiftRuntime]:
+    """A fresh runtime under the first free namespace of ``prefix``, ``prefix#2``, ``prefix#3``...
+
+    Names follow creation order, so the same program gets the same names in every process:
+    the namespace is baked into compiled graphs, and a warm FX graph cache must find them."""
+    with _LOCK:
+        namespace, n = prefix, 1
+        while namespace in _RUNTIMES:
+            n += 1
+            namespace = f"{prefix}#{n}"
+        _RUNTIMES[namespace] = runtime = GiftRuntime(config)
+        return namespace, runtime
 
 
 def forget_runtimes() -> None:
     """Drop every registered runtime: a fresh process's view (a test pool between calls)."""
     with _LOCK:
         _RUNTIMES.clear()
+
+
+def is_registered(namespace: str, runtime: GiftRuntime) -> bool:
+    return _RUNTIMES.get(namespace) is runtime
 
 
 def get_runtime(namespace: str) -> GiftRuntime:
@@ -132,4 +196,4 @@ def get_runtime(namespace: str) -> GiftRuntime:
         ) from None
 
 
-__all__ = ["GiftRuntime", "forget_runtimes", "get_runtime", "register_runtime"]
+__all__ = ["GiftRuntime", "forget_runtimes", "get_runtime", "is_registered", "new_runtime", "register_runtime"]

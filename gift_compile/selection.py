@@ -25,6 +25,19 @@ def linear_fqns(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
 
 
+def linear_weight_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{fqn: (d_out, d_in)}`` of every ``nn.Linear`` (global shapes, also for DTensor weights
+    and weights read through a parametrization)."""
+    shapes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            for pname, param in module.named_parameters(recurse=True):
+                if pname == "weight" or pname.endswith("weight.original"):
+                    shapes[name] = tuple(param.shape)
+                    break
+    return shapes
+
+
 def matching(candidates: Iterable[str], patterns: Sequence[str]) -> list[str]:
     """The candidate FQNs matched by any pattern (a pattern may match none of them)."""
     return [fqn for fqn in candidates if any(pattern_matches(p, fqn) for p in patterns)]

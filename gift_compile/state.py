@@ -21,6 +21,8 @@ What a layer keeps depends on ``GiftConfig`` and on whether the layer is whitene
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import math
 
@@ -39,6 +41,15 @@ log = logging.getLogger(__name__)
 HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over")
 
 
+@functools.lru_cache(maxsize=64)
+def _fresh(key: tuple, device: torch.device) -> torch.Tensor:
+    """A fresh start's basis or factor tensor, built once per shape and device (read-only use)."""
+    if key[0] == "basis":
+        return initial_basis(key[1], key[2]).to(device)
+    layout, dim, rank, name = key
+    return identity_whitening(layout, dim, rank).tensors[name].to(device)
+
+
 def state_key(fqn: str) -> str:
     """Module names may not contain dots; FQNs do."""
     return fqn.replace(".", "/")
@@ -55,6 +66,7 @@ class GiftLayerState(nn.Module):
         self.current_step = whitened and config.factor_source == "current_step"
         if self.current_step:
             self.register_buffer("basis", initial_basis(d_in, self.low_rank).to(self.device))
+            self.register_buffer("sketch_scale", torch.ones((), device=self.device))  # geometry.input_sketch's s
         elif whitened:
             self.register_buffer("moment", torch.zeros(d_in, d_in, device=self.device))
             for name, tensor in identity_whitening(config.whitening_layout, d_in, self.low_rank).tensors.items():
@@ -66,8 +78,8 @@ class GiftLayerState(nn.Module):
         for name in ("step", "refreshes", "fallback_until", "meter_over"):
             self.register_buffer(name, torch.zeros((), dtype=torch.int64))
         self.last_error_vs_fp8: float | None = None
-        self._shape_checked = False
         self._pending_meter: torch.Tensor | None = None
+        self._refresh_start: tuple[int, torch.Tensor, int] | None = None  # (step, moment, refreshes) of a refresh
 
     # -- placement -----------------------------------------------------------------------------
     def place_on(self, device: torch.device) -> None:
@@ -105,6 +117,26 @@ class GiftLayerState(nn.Module):
             return []
         return [self.basis] if self.current_step else self.factor_tensors()
 
+    def fresh_geometry(self) -> list[torch.Tensor]:
+        """:meth:`geometry_tensors` of a layer that never ran a step (the same on every rank)."""
+        if self.current_step:
+            return [_fresh(("basis", self.d_in, self.low_rank), self.device)]
+        return [_fresh((self.config.whitening_layout, self.d_in, self.low_rank, name), self.device)
+                for name in FACTOR_NAMES[self.config.whitening_layout]]
+
+    @torch.no_grad()
+    def restart_if_not_finite(self) -> torch.Tensor:
+        """A basis or factor that is not finite (a state corrupted in memory; a checkpoint is
+        checked when loaded) would fail LAPACK at every later step: it is replaced by a fresh
+        start, with no host sync. Returns a 0-d bool on the device: whether it was (counted)."""
+        tensors = self.geometry_tensors()
+        broken = ~torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        for tensor, fresh in zip(tensors, self.fresh_geometry()):
+            tensor.copy_(torch.where(broken, fresh, tensor))
+        if self.current_step:
+            self.sketch_scale.copy_(torch.where(broken, torch.ones_like(self.sketch_scale), self.sketch_scale))
+        return broken
+
     def whitening_on(self) -> bool:
         """False while the layer is on its Euclidean fallback (a host-side check, no sync)."""
         return self.whitened and int(self.step) >= int(self.fallback_until)
@@ -122,24 +154,25 @@ class GiftLayerState(nn.Module):
     # -- a step ----------------------------------------------------------------------------------
     def begin_step(self, layer_input: torch.Tensor, group=None) -> bool:
         """Before this step's gradient is sent: refresh periodic factors when due. Returns
-        whether the layer whitens this step (False on its fallback). The first step checks that
-        every rank of the group holds the same gradient shape (their sums need it)."""
-        if not self._shape_checked:
-            self._check_same_shape(resolve_group(group))
-            self._shape_checked = True
+        whether the layer whitens this step (False on its fallback). (That every rank sends the
+        same layers and shapes was checked before: agreement.py.)"""
         if self.whitened and not self.current_step and int(self.step) % self.config.refresh_interval == 0:
             self.refresh(layer_input, group)
         return self.whitening_on()
 
     @torch.no_grad()
     def end_step(
-        self, residual: torch.Tensor | None, gather_residual: torch.Tensor | None, next_basis: torch.Tensor | None
+        self, residual: torch.Tensor | None, gather_residual: torch.Tensor | None, next_basis: torch.Tensor | None,
+        next_scale: torch.Tensor | None = None,
     ) -> None:
-        """After the reduction: keep the new residuals and basis, count the step."""
+        """After the reduction: keep the new residuals, basis and sketch scale, count the step."""
         self._keep("residual", residual)
         self._keep("gather_residual", gather_residual)
         if next_basis is not None:
             self.basis.copy_(next_basis)
+        if next_scale is not None:
+            self.sketch_scale.copy_(next_scale)
+        self._refresh_start = None
         self.step += 1
 
     def _keep(self, name: str, new: torch.Tensor | None) -> None:
@@ -196,7 +229,15 @@ class GiftLayerState(nn.Module):
     # -- periodic factors --------------------------------------------------------------------------
     @torch.no_grad()
     def refresh(self, layer_input: torch.Tensor, group=None) -> None:
-        """Recompute the factors from this step's statistics, identically on every rank."""
+        """Recompute the factors from this step's statistics, identically on every rank.
+
+        Called again in the same step (FSDP2: a later forward replaced one without backward),
+        it starts over from the moment it started from, so only the latest forward counts."""
+        if self._refresh_start is not None and self._refresh_start[0] == int(self.step):
+            self.moment.copy_(self._refresh_start[1])
+            self.refreshes.fill_(self._refresh_start[2])
+        else:
+            self._refresh_start = (int(self.step), self.moment.clone(), int(self.refreshes))
         group = resolve_group(group)
         moment, tokens = second_moment(layer_input.detach(), self.config.stats_max_tokens)
         packed = torch.cat([moment.reshape(-1), moment.new_tensor([tokens])])
@@ -216,20 +257,20 @@ class GiftLayerState(nn.Module):
             getattr(self, f"factor_{name}").copy_(tensor)
         self.refreshes += 1
 
-    def _check_same_shape(self, group) -> None:
-        world = dist.get_world_size(group)
-        if world == 1:
-            return
-        mine = torch.tensor([self.d_out, self.d_in], device=self.device)
-        shapes = mine.repeat(world)
-        dist.all_gather_single(shapes, mine, group=group)
-        shapes = shapes.reshape(world, 2)
-        if not bool((shapes == mine).all()):
-            raise RuntimeError(f"GIFT layer {self.fqn!r} has different gradient shapes across ranks: {shapes.tolist()}")
+
+# The config fields a saved state's meaning depends on: its buffers (a basis or dense factors,
+# residuals or none, an all-gather residual) cannot be used under other values.
+LAYOUT_FIELDS = ("factor_source", "factorization", "low_rank", "error_feedback", "euclidean_error_feedback", "all_gather_dtype")
 
 
 class GiftState(nn.Module):
-    """All layers' state, keyed by FQN; created lazily with the gradient's shape."""
+    """All layers' state, keyed by FQN; created lazily with the gradient's shape.
+
+    ``state_dict`` also records who saved it (rank and data-parallel size: residuals and
+    meters are per rank) and the config fields of :data:`LAYOUT_FIELDS`; ``load_state_dict``
+    checks all of that, every layer's shape and every buffer's finiteness before it changes
+    anything, so an unusable checkpoint is refused when it is loaded, naming what is wrong,
+    never at a later backward."""
 
     def __init__(self, config: GiftConfig) -> None:
         super().__init__()
@@ -259,18 +300,70 @@ class GiftState(nn.Module):
             state.place_on(device)
         return state
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Create the layers a checkpoint holds (their shapes are saved with them), then load."""
+    def get_extra_state(self) -> str:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return json.dumps({"saved_by": [rank, world], "layout": {name: getattr(self.config, name) for name in LAYOUT_FIELDS}})
+
+    def set_extra_state(self, state) -> None:
+        pass  # checked by load_state_dict before anything is loaded
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False, *, shapes: dict[str, tuple[int, int]] | None = None):
+        """Check the checkpoint (class docstring), create the layers it holds (their shapes are
+        saved with them), then load. ``shapes`` (``{Linear FQN: (d_out, d_in)}``, e.g.
+        ``selection.linear_weight_shapes(model)``) also checks each layer against the model."""
+        state_dict = dict(state_dict)
+        state_dict.setdefault("_extra_state", "")  # saved before this record existed: nothing to check
+        layers = self._check_loadable(state_dict, shapes)
+        for key, (d_out, d_in, whitened) in layers.items():
+            layer = self.layer(key.replace("/", "."), d_out, d_in, whitened=whitened)
+            gathered = state_dict.get(f"layers.{key}.gather_residual")
+            if gathered is not None:
+                layer.ensure_gather_residual(*gathered.shape)
+            if layer.current_step:  # saved before the sketch had a scale: start it at 1
+                state_dict.setdefault(f"layers.{key}.sketch_scale", torch.ones(()))
+        expected = self.state_dict()
         for name, value in state_dict.items():
-            parts = name.split(".")
-            if len(parts) == 3 and parts[0] == "layers" and parts[2] == "shape":
-                d_out, d_in, whitened = (int(v) for v in value.tolist())
-                fqn = parts[1].replace("/", ".")
-                layer = self.layer(fqn, d_out, d_in, whitened=bool(whitened))
-                gathered = state_dict.get(f"layers.{parts[1]}.gather_residual")
-                if gathered is not None:
-                    layer.ensure_gather_residual(*gathered.shape)
+            if isinstance(value, torch.Tensor) and name in expected and value.shape != expected[name].shape:
+                layer, _, buffer = name.removeprefix("layers.").rpartition(".")
+                raise ValueError(f"GIFT checkpoint: layer {layer.replace('/', '.')!r} buffer {buffer!r} has shape "
+                                 f"{tuple(value.shape)}, this config and layer need {tuple(expected[name].shape)}")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _check_loadable(self, state_dict, shapes) -> dict[str, tuple[int, int, bool]]:
+        """Everything :meth:`load_state_dict` refuses, before it changes anything; returns the
+        layers the checkpoint holds as ``{key: (d_out, d_in, whitened)}``."""
+        if state_dict["_extra_state"]:
+            record = json.loads(state_dict["_extra_state"])
+            rank, world = record["saved_by"]
+            if dist.is_initialized() and (rank, world) != (dist.get_rank(), dist.get_world_size()):
+                raise ValueError(
+                    f"GIFT checkpoint: saved by rank {rank} of {world} ranks, loaded on rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}; GIFT's residuals and meters are per rank: resume on {world} ranks, "
+                    "each loading the state it saved (or start GIFT's state fresh)"
+                )
+            for name, saved in record["layout"].items():
+                if saved != getattr(self.config, name):
+                    raise ValueError(
+                        f"GIFT checkpoint: saved with {name}={saved!r}, this config has {name}={getattr(self.config, name)!r}; "
+                        f"its buffers cannot be used with another {name}: resume with the same value (or start GIFT's state fresh)"
+                    )
+        layers = {}
+        for name, value in state_dict.items():
+            key, _, buffer = name.removeprefix("layers.").rpartition(".")
+            fqn = key.replace("/", ".")
+            if buffer == "shape":
+                d_out, d_in, whitened = (int(v) for v in value.tolist())
+                layers[key] = (d_out, d_in, bool(whitened))
+                known = self.layers[key] if key in self.layers else None
+                want = (known.d_out, known.d_in) if known is not None else (shapes or {}).get(fqn.partition("#")[0])
+                if want is not None and tuple(want) != (d_out, d_in):
+                    raise ValueError(f"GIFT checkpoint: layer {fqn!r} was saved for ({d_out}, {d_in}) gradients, "
+                                     f"this model's layer has {tuple(want)}")
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                bad = int((~torch.isfinite(value)).sum())
+                raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} holds {bad} non-finite value(s) "
+                                 "(NaN/Inf): the checkpoint is corrupt, and a step from it would send NaN gradients")
+        return layers
 
     def fqns(self) -> list[str]:
         return [layer.fqn for layer in self.layers.values()]

@@ -35,27 +35,37 @@ class Mixed(nn.Module):
         return self.norm(self.down(torch.relu(self.up(h)))).square().sum()
 
 
-def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
-    from torch._dynamo.utils import counters as dynamo_counters
+def sharded_mixed(world, config, namespace, reduce_dtype=torch.float32, **install_options):
+    """``(Mixed fully_shard-ed per submodule with GIFT installed, unsharded replica, runtime)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    torch._dynamo.reset()
-    dynamo_counters.clear()
     torch.manual_seed(0)
     model = Mixed()
     replica = copy.deepcopy(model)
-    euclidean_error_feedback = euclidean == "fp8+ef"
-    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_dtype=euclidean.removesuffix("+ef"),
-                        euclidean_error_feedback=euclidean_error_feedback)
     mesh = init_device_mesh("cpu", (world,))
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for name in ("embed", "up", "down", "norm"):
         fully_shard(getattr(model, name), mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    namespace = f"fsdp-{world}-{reduce_dtype}-{euclidean}"
     runtime = register_runtime(namespace, config)
-    install(model, runtime, namespace, {"up"})
+    install(model, runtime, namespace, {"up"}, **install_options)
+    return model, replica, runtime
+
+
+def tokens_of(step, rank):
+    return torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    euclidean_error_feedback = euclidean == "fp8+ef"
+    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_dtype=euclidean.removesuffix("+ef"),
+                        euclidean_error_feedback=euclidean_error_feedback)
+    model, replica, runtime = sharded_mixed(world, config, f"fsdp-{world}-{reduce_dtype}-{euclidean}", reduce_dtype)
 
     reference = GiftReducer(config)
     inputs = {}
@@ -63,7 +73,7 @@ def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
         replica.get_submodule(name).register_forward_hook(lambda m, args, out, name=name: inputs.__setitem__(name, args[0].detach()))
     worst, graphs = {}, []
     for step in range(steps):
-        tokens = torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
+        tokens = tokens_of(step, rank)
         with torch.no_grad():  # an evaluation forward in between must not feed the statistics
             model(tokens.flip(0))
         model(tokens).backward()
@@ -109,6 +119,34 @@ def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype, e
         assert counters["down"]["path"] == euclidean and counters["embed"]["path"] == "fp8"
         assert counters["down"]["bytes_sent"] > 0  # every wire is counted, fp32 too (the bytes metrics)
         assert counters["up"]["error_vs_fp8"] is not None
+
+
+def with_and_without_peeks(rank, world, factor_source):
+    """The reduced ``up.weight`` shard over 3 steps, once plainly and once with a train-mode
+    forward before each step whose output is dropped (no backward)."""
+    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, factor_source=factor_source, refresh_interval=2)
+    runs = []
+    for peek in (False, True):
+        model, _, _ = sharded_mixed(world, config, f"peek-{factor_source}-{peek}", compile_codec=False)
+        grads = []
+        for step in range(3):
+            if peek:
+                model(tokens_of(step + 50, rank) * 0 + 7)  # other tokens, grad enabled, never backpropagated
+            model(tokens_of(step, rank)).backward()
+            grads.append(model.up.weight.grad.to_local().clone())
+            model.zero_grad()
+        runs.append(grads)
+    return [torch.equal(a, b) for a, b in zip(*runs)]
+
+
+@pytest.mark.parametrize("factor_source", ["current_step", "periodic"])
+def test_a_forward_without_backward_changes_nothing(ranks, factor_source):
+    # Before: the statistics of the first forward of a step were kept, so a "peek" forward set
+    # the next real step's whitening (the layer's error went from 1.03x to 1.32x FP8's). Now the
+    # latest forward before the reduce-scatter counts, and a periodic refresh redone in the same
+    # step starts from the same moment: bit for bit the run without the peeks.
+    for same in ranks(2).run(with_and_without_peeks, factor_source):
+        assert same == [True, True, True]
 
 
 class Block(nn.Module):

@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from gift_compile.geometry import Whitening, factorize, input_sketch, second_moment, top_eigenpairs, whitening_from_sketch
+from gift_compile.geometry import (
+    SKETCH_SCALE_SHRINK, Whitening, factorize, input_sketch, second_moment, top_eigenpairs, whitening_from_sketch,
+)
+
+ONE = torch.ones(())  # the sketch scale of inputs of ordinary magnitude
 
 torch.set_default_dtype(torch.float32)
 
@@ -126,7 +130,7 @@ def test_sketch_factors_equal_an_explicit_rayleigh_ritz(rank):
     d, n = 24, 300
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(4)) @ torch.linalg.cholesky(anisotropic_moment(d, seed=5)).T
     basis = torch.linalg.qr(torch.randn(d, rank, generator=torch.Generator().manual_seed(6), dtype=torch.float64)).Q.float()
-    whitening, next_basis = whitening_from_sketch(input_sketch(x, basis), basis, 0.3)
+    whitening, next_basis, _ = whitening_from_sketch(input_sketch(x, basis, ONE), basis, ONE, 0.3)
     a = (x.double().T @ x.double()) / n
     t, t_inv = explicit_low_rank_transform(a, basis.double(), 0.3)
     # fp32 sketch and factors of a matrix with condition number ~1e4: agreement to ~1e-5 of ||T||.
@@ -141,7 +145,7 @@ def test_full_rank_sketch_factors_are_the_damped_inverse_square_root():
     d, n = 16, 200
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(7)) * torch.logspace(1, -1, d)
     basis = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(8))).Q
-    whitening, _ = whitening_from_sketch(input_sketch(x, basis), basis, 0.1)
+    whitening, _, _ = whitening_from_sketch(input_sketch(x, basis, ONE), basis, ONE, 0.1)
     a = x.double().T @ x.double() / n
     values, vectors = torch.linalg.eigh(a + 0.1 * torch.trace(a) / d * torch.eye(d, dtype=torch.float64))
     torch.testing.assert_close(whitening.matrix().double(), (vectors * values.rsqrt()) @ vectors.T, atol=1e-4, rtol=1e-4)
@@ -151,16 +155,56 @@ def test_sketches_of_ranks_add_up_to_the_sketch_of_all_tokens():
     # The all-reduce sums the ranks' sketches: that must equal the sketch of every token at once.
     basis = torch.linalg.qr(torch.randn(12, 4)).Q
     parts = [torch.randn(30, 12), torch.randn(50, 12)]
-    torch.testing.assert_close(sum(input_sketch(p, basis) for p in parts), input_sketch(torch.cat(parts), basis), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(sum(input_sketch(p, basis, ONE) for p in parts), input_sketch(torch.cat(parts), basis, ONE), atol=1e-4, rtol=1e-5)
 
 
-def test_non_finite_inputs_keep_the_previous_basis():
+def test_non_finite_inputs_keep_the_previous_basis_and_send_unwhitened():
+    # A NaN input: this step sends with T = I (its gradient is NaN on the Euclidean path too:
+    # visible, never hidden), the basis is kept, and the next sketch scale shrinks.
     basis = torch.linalg.qr(torch.randn(12, 4)).Q
     x = torch.randn(20, 12)
     x[3, 5] = float("nan")
-    whitening, next_basis = whitening_from_sketch(input_sketch(x, basis), basis, 0.3)
+    whitening, next_basis, next_scale = whitening_from_sketch(input_sketch(x, basis, ONE), basis, ONE, 0.3)
     assert torch.equal(next_basis, basis)
-    assert not bool(torch.isfinite(whitening.whiten(torch.randn(3, 12))).all())  # visible, never hidden
+    g = torch.randn(3, 12)
+    assert torch.equal(whitening.whiten(g), g) and torch.equal(whitening.unwhiten(g), g)
+    assert next_scale.item() == SKETCH_SCALE_SHRINK
+
+
+def test_a_power_of_two_scale_changes_no_digit_of_the_factors():
+    # The sketch's scale s multiplies every product by a power of two: s^2 times the same
+    # fp32 digits, and the factors (computed from the unscaled values) are bit-identical.
+    x = torch.randn(64, 12) * torch.logspace(0, -2, 12)
+    basis = torch.linalg.qr(torch.randn(12, 4)).Q
+    s = torch.tensor(2.0**-7)
+    plain, scaled = input_sketch(x, basis, ONE), input_sketch(x, basis, s)
+    assert torch.equal(scaled[:-1], plain[:-1] * s**2) and scaled[-1] == plain[-1] == 64
+    for a, b in zip(whitening_from_sketch(plain, basis, ONE, 0.3)[0].tensors.values(),
+                    whitening_from_sketch(scaled, basis, s, 0.3)[0].tensors.values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("magnitude", [1e18, 1e30])
+def test_huge_inputs_give_finite_factors_after_the_scale_adapts(magnitude):
+    # fp32's x^2 overflows from ~1.8e19 (and the token sum earlier): the first sketch overflows,
+    # that step sends with T = I, and the scale shrinks until the sketch fits. Then the factors
+    # are those of the unscaled inputs: T(c^2 A) = T(A) / c exactly in the algebra, so T times
+    # the magnitude must equal T of the inputs divided by it (to fp32 rounding of the sums).
+    x = torch.randn(256, 12, generator=torch.Generator().manual_seed(3)) * torch.logspace(0, -1, 12)
+    basis = torch.linalg.qr(torch.randn(12, 4, generator=torch.Generator().manual_seed(4))).Q
+    scale, steps = ONE, 0
+    while True:
+        whitening, next_basis, scale = whitening_from_sketch(input_sketch(x * magnitude, basis, scale), basis, scale, 0.3)
+        steps += 1
+        if not torch.equal(next_basis, basis):  # the sketch was finite: a real subspace step
+            break
+        assert torch.equal(whitening.whiten(torch.eye(12)), torch.eye(12))  # T = I while it overflowed
+        assert steps < 6
+    reference, *_ = whitening_from_sketch(input_sketch(x, basis, ONE), basis, ONE, 0.3)
+    torch.testing.assert_close(whitening.matrix() * magnitude, reference.matrix(), rtol=1e-4, atol=1e-5 * reference.matrix().abs().max().item())
+    # and the scale now brings one input element to ~1: s^2 * mean(x^2) in [1/4, 4]
+    mean_square = (x.double() * magnitude).square().mean()
+    assert 0.25 <= float(mean_square * scale.double() ** 2) <= 4
 
 
 @pytest.mark.parametrize("case", CASES[:3], ids=["cholesky", "symmetric", "symmetric-r6"])

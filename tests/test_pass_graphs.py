@@ -88,6 +88,7 @@ fc1.weight  all_reduce(avg, GROUP) float32[32, 16] -> wait  (original)""")
         # sent (FP8 bytes: all_to_all, then the owners' all_gather). fc1 (not selected):
         # stateless Euclidean FP8, counted; the biases keep their all_reduce.
         self.assertExpectedInline(render_gift_graph(after), """\
+*         gift::agree(NS, GROUP, description=...)
 fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
 fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
 fc2       gift::input_sketch(max_tokens=8192)
@@ -115,6 +116,7 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
         config = GiftConfig(layers=("fc2",), low_rank=4, factor_source="periodic")
         _, after = backward_before_and_after(replicate(MLP()), config, "snap_periodic", {"fc2"}, torch.randn(4, 16))
         self.assertExpectedInline(render_gift_graph(after), """\
+*         gift::agree(NS, GROUP, description=...)
 fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
@@ -124,7 +126,7 @@ fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
 fc2       all_to_all_single(GROUP) uint8[264] -> wait
 fc2       all_gather_into_tensor(GROUP) uint8[1, 132] -> wait
-fc2       gift::end_step(NS, fc2, GROUP, next_basis=None, bytes_sent=264, stats_bytes=0)
+fc2       gift::end_step(NS, fc2, GROUP, next_basis=None, next_scale=None, bytes_sent=264, stats_bytes=0)
 fc1       mm -> grad float32[32, 16]
 fc1.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
 fc1       all_to_all_single(GROUP) uint8[520] -> wait
@@ -153,6 +155,7 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
         register_runtime("snap_joint", config)
         assert len(gift_collectives_pass(graph, config, "snap_joint", frozenset({"fc2"}))) == 2  # fc2 whitened, fc1 FP8
         self.assertExpectedInline(render_gift_graph(graph), """\
+*         gift::agree(NS, GROUP, description=...)
 fc1       linear (forward) -> float32[4, 32]
 fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
 fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
@@ -187,6 +190,7 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
         traced = render_gift_graph(before)
         assert traced.count("(original)") == 9 and traced.count("mm -> grad") == 7
         self.assertExpectedInline(render_gift_graph(after), """\
+*                      gift::agree(NS, GROUP, description=...)
 wq                     gift::begin_step(NS, wq, GROUP, d_out=32, d_in=32, whitened=True)
 wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
 wq                     gift::input_sketch(max_tokens=8192)
@@ -211,19 +215,19 @@ w2                     gift::load_residual(NS, w2, d_out=32, d_in=64)
 w2                     gift::load_gather_residual(NS, w2, rows=16, cols=64)
 w2                     all_to_all_single(GROUP) uint8[2056] -> wait
 w2                     all_gather_into_tensor(GROUP) uint8[1, 1028] -> wait
-w2                     gift::end_step(NS, w2, GROUP, next_basis=None, bytes_sent=2056, stats_bytes=0)
+w2                     gift::end_step(NS, w2, GROUP, next_basis=None, next_scale=None, bytes_sent=2056, stats_bytes=0)
 w3                     mm -> grad float32[64, 32]
 w3                     gift::load_residual(NS, w3, d_out=64, d_in=32)
 w3                     gift::load_gather_residual(NS, w3, rows=32, cols=32)
 w3                     all_to_all_single(GROUP) uint8[2056] -> wait
 w3                     all_gather_into_tensor(GROUP) uint8[1, 1028] -> wait
-w3                     gift::end_step(NS, w3, GROUP, next_basis=None, bytes_sent=2056, stats_bytes=0)
+w3                     gift::end_step(NS, w3, GROUP, next_basis=None, next_scale=None, bytes_sent=2056, stats_bytes=0)
 w1                     mm -> grad float32[64, 32]
 w1                     gift::load_residual(NS, w1, d_out=64, d_in=32)
 w1                     gift::load_gather_residual(NS, w1, rows=32, cols=32)
 w1                     all_to_all_single(GROUP) uint8[2056] -> wait
 w1                     all_gather_into_tensor(GROUP) uint8[1, 1028] -> wait
-w1                     gift::end_step(NS, w1, GROUP, next_basis=None, bytes_sent=2056, stats_bytes=0)
+w1                     gift::end_step(NS, w1, GROUP, next_basis=None, next_scale=None, bytes_sent=2056, stats_bytes=0)
 ffn_norm.weight        all_reduce(avg, GROUP) float32[32] -> wait  (original)
 wo                     mm -> grad float32[32, 32]
 wo                     wait_tensor(all_reduce)
@@ -272,6 +276,7 @@ attention_norm.weight  all_reduce(avg, GROUP) float32[32] -> wait  (original)"""
         config = GiftConfig(layers=attention, low_rank=4)
         _, after = backward_before_and_after(replicate(GPTBlock()), config, "snap_gpt", set(attention), torch.randn(2, 8, 32))
         self.assertExpectedInline(render_gift_graph(after), """\
+*                 gift::agree(NS, GROUP, description=...)
 attn.c_attn       gift::begin_step(NS, attn.c_attn, GROUP, d_out=96, d_in=32, whitened=True)
 attn.c_attn       gift::load_basis(NS, attn.c_attn, d_in=32, low_rank=4)
 attn.c_attn       gift::input_sketch(max_tokens=8192)

@@ -21,7 +21,7 @@ from gift_compile.testing.ranks import free_port  # noqa: E402
 from gift_compile.testing.titan_jobs import JobResult, concurrently, resume, run_job, run_nodes, write_job  # noqa: E402
 
 STEPS, CHECKPOINT = 10, 5
-GIFT = {"enabled": True, "meter_interval": 5}
+GIFT = {"enabled": True, "layers": ["wqkv", "wo"], "meter_interval": 5}
 
 
 @dataclass

@@ -32,7 +32,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from gift_compile.passes.gift_collectives import COLLECTIVES, WAIT, weight_gradient_mm
 from gift_compile.passes.graph_utils import module_fqn
 
-_WEIGHT_SOURCE = re.compile(r"^(?P<module>.*)\._parameters\['weight'\]$")
+# A Linear weight as Dynamo names it: plain, or the original behind a parametrization
+# (gift_compile.replicate reads every parameter through one).
+_WEIGHT_SOURCE = re.compile(
+    r"^(?P<module>.*?)(\._modules\['parametrizations'\]\._modules\['weight'\]\._parameters\['original'\]"
+    r"|\._parameters\['weight'\])$"
+)
 _ACCUMULATE_GRAD = ("torch._dynamo.compiled_autograd.ops", "AccumulateGrad")
 
 
@@ -41,14 +46,18 @@ class LinearWeight(NamedTuple):
     shape: tuple[int, ...]
 
 
-def remember_linear_weights(gm: fx.GraphModule, linears: list[str], weights: WeakIdKeyDictionary) -> None:
-    """Record ``Parameter -> Linear FQN`` for the Linear weights this Dynamo graph reads."""
-    for node in gm.graph.find_nodes(op="placeholder"):
+def remember_linear_weights(gm: fx.GraphModule, linears: list[str], weights: WeakIdKeyDictionary) -> list[tuple[int, str]]:
+    """Record ``Parameter -> Linear FQN`` for the Linear weights this Dynamo graph reads;
+    returns ``(graph input position, FQN)`` of each."""
+    found = []
+    for position, node in enumerate(gm.graph.find_nodes(op="placeholder")):
         grapharg = node.meta.get("grapharg")
         match = _WEIGHT_SOURCE.match(grapharg.source.name) if grapharg is not None else None
         fqn = module_fqn(match["module"]) if match else None
         if fqn in linears and isinstance(grapharg.example, torch.nn.Parameter):
             weights[grapharg.example] = fqn
+            found.append((position, fqn))
+    return found
 
 
 def output_fqns(gm: fx.GraphModule, weights: WeakIdKeyDictionary) -> tuple[LinearWeight | None, ...] | None:

@@ -17,8 +17,9 @@ Before (one Linear weight gradient, post-grad backward graph)::
 After (selected layer; the two halves are ``layer_step.issue_statistics`` and
 ``layer_step.reduce_layer`` traced into post-grad ATen)::
 
+    ok    = gift.agree(ns, groups, description, ...)                # first: the ranks agree (agreement.py)
     X     = ...
-    tok   = gift.begin_step(ns, fqn, group, d_out, d_in, True, X)   # right after X exists
+    tok   = gift.begin_step(ns, fqn, group, d_out, d_in, True, X, ok)   # right after X exists
     Q     = gift.load_basis(ns, fqn, d_in, r, tok)
     sk    = cat(X^T (X Q), sum X^2, tokens) -> _c10d_functional.all_reduce(sk, "sum", group)   # no wait yet
     ...   (the rest of the forward / backward runs while the sketch travels)
@@ -51,11 +52,12 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.operator_schemas import normalize_function
 
+from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.layer_step import LayerPlan, issue_statistics, reduce_layer
-from gift_compile.ops import OpsAccess, record_euclidean_step
+from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
 
 log = logging.getLogger(__name__)
@@ -137,13 +139,30 @@ def _shape(node) -> tuple[int, ...] | None:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
-def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, selected: frozenset[str]) -> list[GradientCollective]:
-    """Rewrite the Linear weight-gradient collectives of ``graph`` in place; returns those rewritten.
+@dataclass(frozen=True)
+class Rewrite:
+    """What the pass does with one gradient collective."""
 
-    ``selected`` are the FQNs sent in whitened coordinates. Collectives the pass cannot
-    attribute to a Linear layer keep their original, full-precision reduction.
+    found: GradientCollective
+    kind: str
+    """``gift`` (whitened), ``euclidean+ef`` (Euclidean FP8 with a residual) or ``euclidean`` (stateless)."""
+    config: GiftConfig
+    """The config of this collective's path (an integration's embedding path has its own ``euclidean_dtype``)."""
+
+    def describe(self) -> tuple[str, str]:
+        """``(layer, what travels)``: this rank's entry of the ranks' agreement (agreement.py)."""
+        shape = list(self.found.collective.args[0].meta["val"].shape)
+        wire = self.config.euclidean_dtype if self.kind == "euclidean" else "fp8"
+        return self.found.fqn, f"{self.kind} {wire} {self.found.collective_type}({self.found.op}) {shape} x{world_size(self.found)}"
+
+
+def plan_rewrites(graph: fx.Graph, config: GiftConfig, selected: frozenset[str]) -> list[Rewrite]:
+    """Which Linear weight-gradient collectives of ``graph`` the pass rewrites, and how.
+
+    ``selected`` are the FQNs sent in whitened coordinates. Collectives that cannot be
+    attributed to a Linear layer keep their original, full-precision reduction (warned).
     """
-    rewritten, skipped = [], []
+    rewrites, skipped = [], []
     uses: Counter[str] = Counter()
     for found in find_gradient_collectives(graph):
         if found.fqn is None:
@@ -157,21 +176,40 @@ def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, s
         if uses[layer] > 1:
             found = dataclasses.replace(found, fqn=f"{layer}#{uses[layer]}")
         if layer in selected:
-            rewrite_stateful(graph, found, config, namespace, whitened=True)
+            rewrites.append(Rewrite(found, "gift", config))
         elif config.euclidean_dtype == "fp8" and config.euclidean_error_feedback:
-            rewrite_stateful(graph, found, config, namespace, whitened=False)
+            rewrites.append(Rewrite(found, "euclidean+ef", config))
         elif config.euclidean_dtype != "fp32":
-            rewrite_euclidean(graph, found, config, namespace)
-        else:
-            continue
-        rewritten.append(found)
+            rewrites.append(Rewrite(found, "euclidean", config))
     if skipped:
         log.warning(
             "GIFT: %d weight-gradient collective(s) could not be attributed to a Linear layer and keep "
             "their full-precision reduction: %s", len(skipped), skipped,
         )
+    return rewrites
+
+
+def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig, namespace: str) -> None:
+    """Rewrite ``graph`` in place: first ``gift::agree`` (the ranks compare what they are about to
+    send, agreement.py), then every collective of ``rewrites``, each ordered after it."""
+    if rewrites:
+        description = describe(config, [r.describe() for r in rewrites])
+        groups = list(dict.fromkeys(r.found.group_name for r in rewrites))
+        like = next(n for n in graph.find_nodes(op="placeholder") if isinstance(n.meta.get("val"), torch.Tensor))
+        agreed = splice_traced(graph, lambda x: agree_first(namespace, groups, description, x), [like], after=like)
+        for rewrite in rewrites:
+            if rewrite.kind == "euclidean":
+                rewrite_euclidean(graph, rewrite.found, rewrite.config, namespace, agreed)
+            else:
+                rewrite_stateful(graph, rewrite.found, rewrite.config, namespace, agreed, whitened=rewrite.kind == "gift")
     graph.lint()
-    return rewritten
+
+
+def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, selected: frozenset[str]) -> list[GradientCollective]:
+    """Rewrite the Linear weight-gradient collectives of ``graph`` in place; returns those rewritten."""
+    rewrites = plan_rewrites(graph, config, selected)
+    apply_rewrites(graph, rewrites, config, namespace)
+    return [r.found for r in rewrites]
 
 
 def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]) -> None:
@@ -181,26 +219,31 @@ def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]
     graph.erase_node(found.collective)
 
 
-def rewrite_stateful(graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str, *, whitened: bool) -> None:
+def rewrite_stateful(
+    graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str, agreed: fx.Node, *, whitened: bool
+) -> None:
     """Replace a Linear weight-gradient collective by the two halves of ``layer_step``: the
-    statistics right after the layer's input exists, the reduction where the collective was."""
+    statistics right after the layer's input exists (and after the agreement), the reduction
+    where the collective was."""
     d_out, d_in = found.mm.meta["val"].shape
     plan = LayerPlan(found.fqn, d_out, d_in, whitened, found.collective_type, found.op, found.group_name, config)
     access = OpsAccess(namespace)
     layer_input = found.mm.args[1]
-    early = [n for n in splice_traced(graph, lambda x: issue_statistics(plan, access, x), [layer_input], after=layer_input) if n is not None]
+    anchor = agreed if layer_input.op == "placeholder" else layer_input  # the agreement is the first computation
+    early = splice_traced(graph, lambda x, ok: issue_statistics(plan, access, x, ok), [layer_input, agreed], after=anchor)
+    early = [n for n in early if n is not None]
 
-    if len(early) == 3:  # current-step factors: (token, summed sketch, basis)
-        def late(grad, token, sketch, basis):
-            return reduce_layer(plan, access, grad, token, sketch, basis)
+    if len(early) == 4:  # current-step factors: (token, summed sketch, basis, sketch scale)
+        def late(grad, token, sketch, basis, scale):
+            return reduce_layer(plan, access, grad, token, sketch, basis, scale)
     else:  # periodic factors, or no whitening: the token only
         def late(grad, token):
-            return reduce_layer(plan, access, grad, token, None, None)
+            return reduce_layer(plan, access, grad, token, None, None, None)
 
     _replace(graph, found, late, [found.collective.args[0], *early])
 
 
-def rewrite_euclidean(graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str) -> None:
+def rewrite_euclidean(graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str, agreed: fx.Node) -> None:
     """Replace one gradient collective by the stateless Euclidean ``config.euclidean_dtype`` path,
     counted under ``found.fqn`` (also used by integrations for non-Linear 2-D gradients)."""
     wire = WireFormat.euclidean(config)
@@ -208,13 +251,14 @@ def rewrite_euclidean(graph: fx.Graph, found: GradientCollective, config: GiftCo
     nbytes = bytes_sent(shape, world_size(found), wire, found.collective_type, config.all_gather_dtype)
     group = _resolve_process_group(found.group_name)
 
-    def replacement(grad):
-        reduction = euclidean_reduce(grad, op=found.op, group=group, wire=wire, collective=found.collective_type,
+    def replacement(grad, ok):
+        # grad * ok (ok = 1.0, exact for every value) orders this collective after the agreement
+        reduction = euclidean_reduce(grad * ok, op=found.op, group=group, wire=wire, collective=found.collective_type,
                                      gather_dtype=config.all_gather_dtype)
         record_euclidean_step(namespace, found.fqn, config.euclidean_dtype, reduction.stats, nbytes)
         return reduction.output
 
-    _replace(graph, found, replacement, [found.collective.args[0]])
+    _replace(graph, found, replacement, [found.collective.args[0], agreed])
 
 
 def world_size(found: GradientCollective) -> int:

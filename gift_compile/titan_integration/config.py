@@ -94,8 +94,8 @@ def check_route(section, route: str) -> None:
 def normalize_table(values: dict) -> dict:
     """A TOML ``[gift]`` table with deprecated keys renamed (warning) and unknown ones rejected."""
     values = normalize_keys(values, "[gift]", section_field_names())
-    if isinstance(values.get("layers"), str):
-        values["layers"] = values["layers"].split(",")  # "auto", "w2" or "w2,wo" (command line)
+    if isinstance(values.get("layers"), str):  # "auto", "w2", "w2,wo" or "" (the command line's spelling of a list)
+        values["layers"] = values["layers"].split(",") if values["layers"] else []
     return values
 
 

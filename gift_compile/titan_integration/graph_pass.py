@@ -13,10 +13,10 @@ its own collective, which is what ``gift_collectives_pass`` rewrites::
 graph and every later pass (dead-code elimination, memory policy, regional Inductor) sees the
 rewritten one. The pass:
 
-1. runs ``gift_collectives_pass`` with the session's selected layers (whitened FP8) and
+1. plans the rewrites of ``gift_collectives``: the session's selected layers (whitened FP8) and
    Euclidean FP8 (``euclidean_dtype``) for the other Linear weight gradients;
-2. sends the remaining 2-D gradients (the token embedding) through the Euclidean path with
-   ``embedding_dtype``, reusing the same replacement;
+2. adds the remaining 2-D gradients (the token embedding) on the Euclidean path with
+   ``embedding_dtype``, and applies them all behind one agreement of the ranks;
 3. records the bytes every gradient collective puts on the wire, for the metrics.
 
 With ``[gift] enabled = false`` the pipeline is exactly ``construct_default_graph_passes``.
@@ -114,11 +114,11 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         if g.fqn is not None:
             accounting.numel[g.fqn] = int(torch.Size(shape).numel())
 
-    rewritten = gc.gift_collectives_pass(graph, ctx.config, namespace, ctx.selected)
-    for g in rewritten:
-        (accounting.rewritten_gift if g.fqn in ctx.selected else accounting.rewritten_euclidean).append(g.fqn)
+    rewrites = gc.plan_rewrites(graph, ctx.config, ctx.selected)
+    for r in rewrites:
+        (accounting.rewritten_gift if r.kind == "gift" else accounting.rewritten_euclidean).append(r.found.fqn)
 
-    done = {id(g.collective) for g in rewritten}
+    done = {id(r.found.collective) for r in rewrites}
     embedding_config = ctx.config.replace(euclidean_dtype=ctx.embedding_dtype)
     for g in found:
         if id(g.collective) in done:
@@ -126,12 +126,12 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         val = g.collective.args[0].meta["val"]
         if val.dim() == 2 and g.mm is None and ctx.embedding_dtype != "fp32":
             name = g.fqn or _origin_name(g)
-            g = dataclasses.replace(g, fqn=name)
-            gc.rewrite_euclidean(graph, g, embedding_config, namespace)
+            rewrites.append(gc.Rewrite(dataclasses.replace(g, fqn=name), "euclidean", embedding_config))
             accounting.rewritten_euclidean.append(name)
             accounting.numel[name] = int(val.numel())
             continue
         accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.collective_type)
+    gc.apply_rewrites(graph, rewrites, ctx.config, namespace)
 
     graph.lint()
     gm.recompile()

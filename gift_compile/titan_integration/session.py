@@ -31,7 +31,7 @@ from gift_compile import fsdp
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.runtime import GiftRuntime, register_runtime
-from gift_compile.selection import select_layers
+from gift_compile.selection import linear_weight_shapes, select_layers
 from gift_compile.titan_integration import autoselect
 from gift_compile.titan_integration.checkpoint import KEY, GiftCheckpointState, explain_failed_loads
 from gift_compile.titan_integration.config import GiftSection, check_route, to_gift_config
@@ -42,18 +42,6 @@ from gift_compile.titan_integration.graph_pass import (
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "gift_metrics.jsonl"
-
-
-def linear_weight_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """``{fqn: (d_out, d_in)}`` of every ``nn.Linear`` (global shapes, also for DTensor weights)."""
-    shapes = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            for pname, param in module.named_parameters(recurse=True):
-                if pname == "weight" or pname.endswith("weight.original"):
-                    shapes[name] = tuple(param.shape)
-                    break
-    return shapes
 
 
 def rank() -> int:
@@ -205,6 +193,7 @@ class GiftSession:
         out["gift/error_vs_fp8"] = sum(readings) / len(readings) if readings else None
         out["gift/error_vs_fp8_max"] = max(readings) if readings else None
         out["gift/fallback_layers"] = sum(c.fallback_until is not None for c in self.runtime.counters.values())
+        out["gift/restarts"] = self.runtime.report_restarts()
         out["gift/profiling"] = int(self.profiling)
         return out
 
@@ -216,15 +205,8 @@ class GiftSession:
         def log_with_gift(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
             gift = session.metrics()
             original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics={**(extra_metrics or {}), **gift})
-            if rank() == 0:
-                logging.getLogger("torchtitan").info(
-                    "[gift] step %d: gradient bytes/step %.0f (%.3fx fp32) %s, statistics %.0f; gift layers %d "
-                    "(error vs FP8: mean %s, max %s; on fallback %d)",
-                    step, gift["gift/bytes_per_step"], gift["gift/bytes_ratio_vs_fp32"] or float("nan"),
-                    {k.rsplit("/", 1)[1]: round(v) for k, v in gift.items() if k.startswith("gift/bytes_per_step/")},
-                    gift["gift/stats_bytes_per_step"], gift["gift/layers"], _fmt(gift["gift/error_vs_fp8"]),
-                    _fmt(gift["gift/error_vs_fp8_max"]), gift["gift/fallback_layers"],
-                )
+            if rank() == 0:  # torchtitan's console line has fixed fields: ours follow it, same names as the metrics
+                logging.getLogger("torchtitan").info("[gift] step %d: %s", step, console_line(gift))
             session.record(step, loss=global_avg_loss, grad_norm=grad_norm, **gift)
 
         processor.log = log_with_gift
@@ -259,8 +241,16 @@ class GiftSession:
         return path
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+CONSOLE_METRICS = ("gift/bytes_ratio_vs_fp32", "gift/total_bytes_ratio_vs_fp32", "gift/bytes_per_step", "gift/stats_bytes_per_step",
+                   "gift/layers", "gift/error_vs_fp8", "gift/error_vs_fp8_max", "gift/fallback_layers", "gift/restarts")
+
+
+def console_line(metrics: dict[str, Any]) -> str:
+    """The metrics a console line shows, under the names TensorBoard, W&B and the JSONL file use."""
+    def fmt(value):
+        return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
+
+    return " ".join(f"{name}={fmt(metrics[name])}" for name in CONSOLE_METRICS)
 
 
 _STARTED: set[Path] = set()  # folders this process has written to
@@ -288,4 +278,4 @@ def record_metrics(dump_folder: Path, step: int, **values: Any) -> None:
         f.write(json.dumps(values) + "\n")
 
 
-__all__ = ["METRICS_FILE", "NAMESPACE", "GiftSession", "linear_weight_shapes", "record_metrics"]
+__all__ = ["METRICS_FILE", "NAMESPACE", "GiftSession", "record_metrics"]
