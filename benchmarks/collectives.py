@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 from common import median_seconds
 from gift_compile.collectives import WireFormat, bytes_sent
-from gift_compile.comm import euclidean_reduce, fp8_reduce
+from gift_compile.comm import euclidean_reduce, quantized_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening, factorize, initial_basis, input_sketch, second_moment, whitening_from_sketch
 from gift_compile.testing.ranks import run_on_ranks
@@ -59,7 +59,7 @@ def time_methods(rank: int, world: int, shapes, repeats: int):
             gather_residual = torch.zeros(-(-shape[0] // world), shape[1]) if collective == "all_reduce" else None
 
             def gift(g, *tensors):
-                return fp8_reduce(g, Whitening.from_list("lowrank", list(tensors)), residual, gather_residual,
+                return quantized_reduce(g, Whitening.from_list("lowrank", list(tensors)), residual, gather_residual,
                                   op="avg", group=None, wire=WireFormat("fp8"), collective=collective)
 
             for mode in ("eager", "compiled"):

@@ -1,17 +1,19 @@
-"""Gradient reduce-scatter and all-reduce in FP8, bf16 or fp32 over a process group.
+"""Gradient reduce-scatter and all-reduce in FP8, FP4, bf16 or fp32 over a process group.
 
-FP8 never meets arithmetic on the wire (docs/design.md §1)::
+Low-precision values never meet arithmetic on the wire (docs/design.md §1)::
 
     x (rows, ...)                      each rank
       pad rows to world * c, view (world, c', cols)       c = ceil(rows / world)
-      quantize with this rank's own scale(s)              payload uint8 + fp32 scales
-      pack [payload_j | scales_j as bytes] per destination j
-      all_to_all_single                                    one uint8 message per peer
+      encode with this rank's own scale(s)                 one uint8 message per destination j:
+                                                           [payload_j | scales_j as bytes]
+      all_to_all_single                                    one message per peer
       decode each sender's chunk with *its* scales, sum in fp32   -> my shard (c rows)
 
-An all-reduce is that reduce-scatter, a re-quantization of the reduced shard and an
-``all_gather`` of its bytes; every rank then decodes the same bytes with the same scales,
-so all ranks end with bit-identical results.
+The encodings (``WireFormat.dtype``): ``fp8`` (e4m3/e5m2, one fp32 scale per tensor or per
+row block) and ``fp4`` (E2M1, two values per byte, block scales along the last dimension:
+``fp4.py``). An all-reduce is that reduce-scatter, a re-encoding of the reduced shard and an
+``all_gather`` of its bytes; every rank then decodes the same bytes with the same scales, so
+all ranks end with bit-identical results.
 
 Built on ``torch.distributed._functional_collectives`` so the same code runs eagerly, is
 traced by ``make_fx`` into a graph the GIFT pass splices in, and compiles with Inductor.
@@ -28,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from gift_compile import fp4
 from gift_compile.config import GiftConfig
 from gift_compile.numerics import block_amax, boundary_hits, dequantize, quantize
 
@@ -36,25 +39,39 @@ _REDUCE_OPS = ("sum", "avg")
 _SCALE_BYTES = 4  # fp32
 
 
+QUANTIZED = ("fp8", "fp4")
+
+
 @dataclass(frozen=True)
 class WireFormat:
-    """How one gradient travels: the dtype on the wire and, for FP8, its scaling."""
+    """How one gradient travels: the dtype on the wire and, for FP8/FP4, its encoding."""
 
-    dtype: str = "fp8"  # "fp8", "bf16" or "fp32"
+    dtype: str = "fp8"  # "fp8", "fp4", "bf16" or "fp32"
     fp8_format: str = "e4m3"
-    scaling: str = "tensor"  # "tensor" or "row_block"
+    scaling: str = "tensor"  # FP8: "tensor" or "row_block"
     block_rows: int = 128
-    scale_mode: str = "per_rank"  # or "global_max"
+    scale_mode: str = "per_rank"  # FP8: or "global_max"
+    fp4_format: str = "nvfp4"  # FP4: "nvfp4" or "mxfp4"
+
+    @property
+    def quantized(self) -> bool:
+        """Encoded with scales and decoded before any sum (FP8, FP4), not a plain dtype."""
+        return self.dtype in QUANTIZED
+
+    @classmethod
+    def of(cls, dtype: str, config: GiftConfig) -> WireFormat:
+        """``dtype`` on the wire, encoded as ``config`` says."""
+        return cls(dtype, config.fp8_format, config.scaling, config.scale_block_rows, config.scale_mode, config.fp4_format)
 
     @classmethod
     def gift(cls, config: GiftConfig) -> WireFormat:
-        """The wire format of layers sent in whitened coordinates (always FP8)."""
-        return cls("fp8", config.fp8_format, config.scaling, config.scale_block_rows, config.scale_mode)
+        """The wire format of layers sent in whitened coordinates."""
+        return cls.of(config.gift_dtype, config)
 
     @classmethod
     def euclidean(cls, config: GiftConfig) -> WireFormat:
         """The wire format of Linear weight gradients that are not whitened."""
-        return cls(config.euclidean_dtype, config.fp8_format, config.scaling, config.scale_block_rows, config.scale_mode)
+        return cls.of(config.euclidean_dtype, config)
 
 
 class Layout(NamedTuple):
@@ -82,7 +99,8 @@ def layout(shape: torch.Size | tuple[int, ...], world: int, wire: WireFormat) ->
     rows = shape[0]
     cols = math.prod(shape[1:])
     shard_rows = -(-rows // world)
-    block_rows = min(wire.block_rows, shard_rows) if wire.scaling == "row_block" else shard_rows
+    row_blocks = wire.dtype == "fp8" and wire.scaling == "row_block"  # FP4's blocks run along the columns
+    block_rows = min(wire.block_rows, shard_rows) if row_blocks else shard_rows
     block_rows = max(block_rows, 1)
     padded = -(-shard_rows // block_rows) * block_rows
     return Layout(rows, cols, world, shard_rows, block_rows, padded)
@@ -124,39 +142,45 @@ def _pad_to_scale_blocks(chunks: torch.Tensor, lay: Layout) -> torch.Tensor:
     return F.pad(chunks, (0, 0, 0, lay.padded_shard_rows - lay.shard_rows))
 
 
-def _encode(chunks: torch.Tensor, lay: Layout, wire: WireFormat, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``(n, padded_shard_rows, cols)`` chunks: payload ``(n, chunk_numel)``, scales ``(n, blocks)``."""
+def _encode(chunks: torch.Tensor, lay: Layout, wire: WireFormat, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Encode ``(n, padded_shard_rows, cols)`` chunks of one sender: ``(messages uint8 (n, bytes),
+    what they decode to (chunks' shape), boundary hits [saturated, flushed])``."""
     n = chunks.shape[0]
+    if wire.dtype == "fp4":
+        return fp4.encode(chunks, fp4.fp4_format(wire.fp4_format))
     blocks = 1 if wire.scaling == "tensor" else n * lay.blocks_per_chunk
     amax = block_amax(chunks, blocks)
     if wire.scale_mode == "global_max":
         amax = waited(funcol.all_reduce(amax, "max", group))
     payload, scales = quantize(chunks, wire.fp8_format, blocks, amax=amax)
     scales = scales.reshape(-1, 1).expand(n, 1) if wire.scaling == "tensor" else scales.reshape(n, -1)
-    return payload.reshape(n, -1), scales
+    payload = payload.reshape(n, -1)
+    hits = boundary_hits(chunks, payload.reshape(chunks.shape), wire.fp8_format)
+    sent = dequantize(payload, scales.reshape(-1), wire.fp8_format).reshape(chunks.shape)
+    scale_bytes = scales.contiguous().view(torch.uint8).reshape(n, -1)
+    return torch.cat([payload, scale_bytes], dim=1), sent, torch.stack([hits.saturated, hits.flushed]).float()
 
 
-def _decode(payload: torch.Tensor, scales: torch.Tensor, lay: Layout, wire: WireFormat) -> torch.Tensor:
+def _decode(messages: torch.Tensor, lay: Layout, wire: WireFormat) -> torch.Tensor:
     """Inverse of ``_encode``: ``(n, padded_shard_rows, cols)`` fp32, each chunk with its own scales."""
-    n = payload.shape[0]
-    return dequantize(payload, scales.reshape(-1), wire.fp8_format).reshape(n, lay.padded_shard_rows, lay.cols)
-
-
-def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """One uint8 message per chunk: payload bytes followed by the chunk's fp32 scales."""
-    scale_bytes = scales.contiguous().view(torch.uint8).reshape(scales.shape[0], -1)
-    return torch.cat([payload, scale_bytes], dim=1)
-
-
-def _unpack(messages: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    n = messages.shape[0]
+    if wire.dtype == "fp4":
+        return fp4.decode(messages, lay.padded_shard_rows, lay.cols, fp4.fp4_format(wire.fp4_format))
     payload = messages[:, : lay.chunk_numel]
     # A copy, never a view: the scale bytes start at offset chunk_numel, which need not be a
     # multiple of 4 (with one rank the slice is contiguous and .contiguous() would not copy).
     scales = messages[:, lay.chunk_numel :].clone(memory_format=torch.contiguous_format).view(torch.float32)
-    return payload, scales
+    return dequantize(payload, scales.reshape(-1), wire.fp8_format).reshape(n, lay.padded_shard_rows, lay.cols)
 
 
-class Fp8Reduction(NamedTuple):
+def message_bytes(lay: Layout, wire: WireFormat) -> int:
+    """Bytes of one chunk's message: payload and scales."""
+    if wire.dtype == "fp4":
+        return fp4.message_bytes(lay.padded_shard_rows, lay.cols, fp4.fp4_format(wire.fp4_format))
+    return lay.chunk_numel + _SCALE_BYTES * (1 if wire.scaling == "tensor" else lay.blocks_per_chunk)
+
+
+class QuantizedReduction(NamedTuple):
     reduced: torch.Tensor
     """fp32: this rank's reduced rows ``(shard_rows, *x.shape[1:])`` (reduce-scatter) or the whole
     reduced tensor (all-reduce)."""
@@ -167,31 +191,21 @@ class Fp8Reduction(NamedTuple):
     """fp32 ``[saturated, flushed, ||x - sent||^2, ||x||^2]`` of this rank's encoding."""
 
 
-def encoding_stats(chunks: torch.Tensor, payload: torch.Tensor, sent: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Boundary hits and squared error of one encoding, as one small fp32 tensor (no sync)."""
-    hits = boundary_hits(chunks, payload.reshape(chunks.shape), fmt)
-    return torch.stack(
-        [hits.saturated.float(), hits.flushed.float(), (chunks - sent).square().sum(), chunks.square().sum()]
-    )
-
-
-def fp8_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8Reduction:
-    """Reduce-scatter ``x`` along dim 0 with FP8 payloads and per-sender scales."""
+def quantized_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> QuantizedReduction:
+    """Reduce-scatter ``x`` along dim 0 with FP8/FP4 payloads and per-sender scales."""
     group = resolve_group(group)
     _check(x, op)
     world = _world(group)
     lay = layout(x.shape, world, wire)
     chunks = _chunked(x, lay)
-    payload, scales = _encode(chunks, lay, wire, group)
-    sent = _decode(payload, scales, lay, wire)
-    messages = waited(funcol.all_to_all_single(_pack(payload, scales).reshape(-1), None, None, group))
-    received_payload, received_scales = _unpack(messages.reshape(world, -1), lay)
-    reduced = _decode(received_payload, received_scales, lay, wire).sum(dim=0)
+    messages, sent, hits = _encode(chunks, lay, wire, group)
+    received = waited(funcol.all_to_all_single(messages.reshape(-1), None, None, group))
+    reduced = _decode(received.reshape(world, -1), lay, wire).sum(dim=0)
     if op == "avg":
         reduced = reduced / world
     shard = reduced[: lay.shard_rows].reshape(lay.shard_rows, *x.shape[1:])
-    stats = encoding_stats(chunks, payload, sent, wire.fp8_format)
-    return Fp8Reduction(shard, _unchunk(sent, lay, x.shape), stats)
+    stats = torch.cat([hits, torch.stack([(chunks - sent).square().sum(), chunks.square().sum()])])
+    return QuantizedReduction(shard, _unchunk(sent, lay, x.shape), stats)
 
 
 def _unchunk(chunks: torch.Tensor, lay: Layout, shape: torch.Size) -> torch.Tensor:
@@ -199,8 +213,8 @@ def _unchunk(chunks: torch.Tensor, lay: Layout, shape: torch.Size) -> torch.Tens
     return rows[: lay.rows].reshape(shape)
 
 
-def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather equal shards of ``ceil(rows / world)`` rows in FP8, each quantized by its owner.
+def quantized_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather equal shards of ``ceil(rows / world)`` rows in FP8/FP4, each encoded by its owner.
 
     Returns the first ``rows`` rows of the gathered tensor (fp32) and what this rank's own
     shard decodes to (``shard - own`` is its quantization error).
@@ -209,29 +223,29 @@ def fp8_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> t
     world = _world(group)
     lay = layout((rows, *shard.shape[1:]), world, wire)
     chunk = _pad_to_scale_blocks(shard.reshape(1, lay.shard_rows, lay.cols).float(), lay)
-    payload, scales = _encode(chunk, lay, wire, group)
-    own = _decode(payload, scales, lay, wire)[0, : lay.shard_rows].reshape(shard.shape)
-    gathered = waited(funcol.all_gather_single(_pack(payload, scales), 0, group))
-    decoded = _decode(*_unpack(gathered.reshape(world, -1), lay), lay, wire)
+    messages, sent, _ = _encode(chunk, lay, wire, group)
+    own = sent[0, : lay.shard_rows].reshape(shard.shape)
+    gathered = waited(funcol.all_gather_single(messages, 0, group))
+    decoded = _decode(gathered.reshape(world, -1), lay, wire)
     return _unchunk(decoded, lay, (rows, *shard.shape[1:])), own
 
 
-def fp8_all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Fp8Reduction:
-    """All-reduce = FP8 reduce-scatter, re-quantize the reduced shard, FP8 all-gather.
+def quantized_all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> QuantizedReduction:
+    """All-reduce = quantized reduce-scatter, re-encode the reduced shard, quantized all-gather.
 
     Returns the full reduced tensor (fp32, ``x``'s shape) and what this rank sent.
     """
-    scattered = fp8_reduce_scatter(x, op, group, wire)
-    full, _ = fp8_all_gather(scattered.reduced, x.shape[0], group, wire)
-    return Fp8Reduction(full.reshape(x.shape), scattered.sent, scattered.stats)
+    scattered = quantized_reduce_scatter(x, op, group, wire)
+    full, _ = quantized_all_gather(scattered.reduced, x.shape[0], group, wire)
+    return QuantizedReduction(full.reshape(x.shape), scattered.sent, scattered.stats)
 
 
 def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.Tensor:
     """Reduce-scatter along dim 0; returns ``ceil(rows / world)`` rows (zero rows pad the last rank)."""
     group = resolve_group(group)
     _check(x, op)
-    if wire.dtype == "fp8":
-        return fp8_reduce_scatter(x, op, group, wire).reduced.to(x.dtype)
+    if wire.quantized:
+        return quantized_reduce_scatter(x, op, group, wire).reduced.to(x.dtype)
     world = _world(group)
     lay = layout(x.shape, world, WireFormat("fp32"))
     padded = _chunked(x, lay).reshape(world * lay.shard_rows, *x.shape[1:])
@@ -245,8 +259,8 @@ def all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.
     """All-reduce ``x`` through ``wire``; same shape and dtype out."""
     group = resolve_group(group)
     _check(x, op)
-    if wire.dtype == "fp8":
-        return fp8_all_reduce(x, op, group, wire).reduced.to(x.dtype)
+    if wire.quantized:
+        return quantized_all_reduce(x, op, group, wire).reduced.to(x.dtype)
     reduced = waited(funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group)).float()
     if op == "avg":
         reduced = reduced / _world(group)
@@ -260,21 +274,20 @@ def _torch_dtype(name: str) -> torch.dtype:
 def bytes_sent(shape: tuple[int, ...], world: int, wire: WireFormat, collective: str, gather_dtype: str | None = None) -> int:
     """Bytes one rank puts on the wire for one ``collective`` ("reduce_scatter"/"all_reduce").
 
-    FP8 counts the payload and scales sent to the ``world - 1`` peers (the self chunk never
+    FP8/FP4 count the payload and scales sent to the ``world - 1`` peers (the self chunk never
     leaves the rank). Dense dtypes count a bandwidth-optimal ring: ``(world - 1) / world`` of
-    the tensor per reduce-scatter or all-gather phase. ``gather_dtype`` (FP8 all-reduce only)
-    is the dtype of the all-gather phase when it differs from the wire's.
+    the tensor per reduce-scatter or all-gather phase. ``gather_dtype`` (quantized all-reduce
+    only): ``"bf16"`` when the all-gather phase sends bf16 shards instead of the wire's encoding.
     """
     if collective not in ("reduce_scatter", "all_reduce"):
         raise ValueError(f"collective must be 'reduce_scatter' or 'all_reduce', got {collective!r}")
-    if wire.dtype != "fp8":
+    if not wire.quantized:
         return (2 if collective == "all_reduce" else 1) * _dense_phase_bytes(shape, world, wire.dtype)
     lay = layout(shape, world, wire)
-    message = lay.chunk_numel + _SCALE_BYTES * (1 if wire.scaling == "tensor" else lay.blocks_per_chunk)
-    scatter = (world - 1) * message
+    scatter = (world - 1) * message_bytes(lay, wire)
     if collective == "reduce_scatter":
         return scatter
-    if gather_dtype in (None, "fp8"):
+    if gather_dtype != "bf16":
         return 2 * scatter
     return scatter + (world - 1) * lay.shard_rows * lay.cols * 2  # bf16 shards, no padding to scale blocks
 

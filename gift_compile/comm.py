@@ -1,22 +1,23 @@
-"""One gradient's trip through a collective: the FP8 path (whitened or Euclidean) and dense wires.
+"""One gradient's trip through a collective: the quantized path (FP8 or FP4, whitened or Euclidean) and dense wires.
 
 Pure functions of tensors (factors and residuals are arguments, not state), so the eager
 reference calls them directly and the FX pass traces them with ``make_fx`` and splices the
 result into the backward graph: one piece of code for both, Inductor fuses the traced ops.
 
-The FP8 path for a weight gradient ``G`` (Algorithm 1, docs/design.md §1, §7; ``T = I`` on the Euclidean path)::
+The quantized path for a weight gradient ``G`` (Algorithm 1, docs/design.md §1, §7; ``T = I``
+on the Euclidean path)::
 
     U  = (G + R) T          whiten; R is this rank's error-feedback residual, kept in G's own
                             coordinates, so a new T never needs a residual "move"
-    Q  = quantize(U)        FP8, this rank's own scales
-    S  = sum_ranks deq(Q)   FP8 reduce-scatter (collectives.py): this rank's rows, whitened
+    Q  = quantize(U)        FP8 or FP4 (the wire), this rank's own scales
+    S  = sum_ranks deq(Q)   quantized reduce-scatter (collectives.py): this rank's rows, whitened
     R' = (U - deq(Q)) T^-1  what this rank failed to send, in G's coordinates
     G_hat = S T^-1          unwhiten this rank's rows of the reduced gradient
 
 An all-reduce is that reduce-scatter followed by an all-gather of the reduced shards, with
 ``gather_dtype``:
 
-* ``fp8``: the owner of each shard re-quantizes it in whitened coordinates, with error feedback
+* ``wire``: the owner of each shard re-quantizes it in whitened coordinates, with error feedback
   of its own (``R2``, kept in G's coordinates: ``U2 = S + R2 T``), every rank decodes the
   same bytes and unwhitens the whole tensor. Bit-identical on every rank because every rank
   builds the same ``T`` (geometry.py).
@@ -34,8 +35,8 @@ import torch.distributed._functional_collectives as funcol
 from gift_compile.collectives import (
     WireFormat,
     all_reduce,
-    fp8_all_gather,
-    fp8_reduce_scatter,
+    quantized_all_gather,
+    quantized_reduce_scatter,
     layout,
     reduce_scatter,
     resolve_group,
@@ -44,11 +45,11 @@ from gift_compile.collectives import (
 from gift_compile.geometry import Whitening
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
-GATHER_DTYPES = ("fp8", "bf16")
+GATHER_DTYPES = ("wire", "bf16")
 
 # Layout of Reduction.stats (one small fp32 tensor, so reading it never syncs per element).
 STATS = ("saturated", "flushed", "error_sq_wire", "sent_sq_wire", "error_sq", "payload_sq")
-"""``saturated``/``flushed``: FP8 boundary hits of this rank's encoding; ``*_wire``: squared norms
+"""``saturated``/``flushed``: boundary hits (FP8 or FP4) of this rank's encoding; ``*_wire``: squared norms
 of its round-trip error and of what it encoded, in the coordinates on the wire; ``error_sq``,
 ``payload_sq``: the same in the gradient's own coordinates (``R'`` and ``G + R``)."""
 
@@ -68,7 +69,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def fp8_reduce(
+def quantized_reduce(
     g: torch.Tensor,
     whitening: Whitening | None,
     residual: torch.Tensor | None,
@@ -78,12 +79,12 @@ def fp8_reduce(
     group,
     wire: WireFormat,
     collective: str,
-    gather_dtype: str = "fp8",
+    gather_dtype: str = "wire",
 ) -> Reduction:
-    """Reduce one 2-D gradient through FP8 (module docstring). ``whitening=None`` is the
+    """Reduce one 2-D gradient through its quantized wire (module docstring). ``whitening=None`` is the
     Euclidean path (``T = I``); ``residual`` / ``gather_residual`` turn error feedback on."""
     if g.dim() != 2:
-        raise ValueError(f"the FP8 gradient path takes 2-D (d_out, d_in) gradients, got shape {tuple(g.shape)}")
+        raise ValueError(f"the quantized gradient path takes 2-D (d_out, d_in) gradients, got shape {tuple(g.shape)}")
     _check_collective(collective)
     if gather_dtype not in GATHER_DTYPES:
         raise ValueError(f"gather_dtype must be one of {GATHER_DTYPES}, got {gather_dtype!r}")
@@ -93,7 +94,7 @@ def fp8_reduce(
 
     payload = g.float() if residual is None else g.float() + residual
     sent_coords = whiten(payload)
-    scattered = fp8_reduce_scatter(sent_coords, op, group, wire)
+    scattered = quantized_reduce_scatter(sent_coords, op, group, wire)
     error = unwhiten(sent_coords - scattered.sent)  # this rank's round trip, in G's coordinates
     new_residual = _finite_or_zero(error) if residual is not None else None
     stats = torch.cat([scattered.stats, torch.stack([error.square().sum(), payload.square().sum()])])
@@ -107,17 +108,17 @@ def fp8_reduce(
         output = gathered[: g.shape[0]]
     else:
         shard = scattered.reduced if gather_residual is None else scattered.reduced + whiten(gather_residual)
-        full, own = fp8_all_gather(shard, g.shape[0], group, wire)
+        full, own = quantized_all_gather(shard, g.shape[0], group, wire)
         if gather_residual is not None:
             new_gather_residual = _finite_or_zero(unwhiten(shard - own))
         output = unwhiten(full)
     return Reduction(output.to(g.dtype), new_residual, new_gather_residual, stats)
 
 
-def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str, gather_dtype: str = "fp8") -> Reduction:
-    """Reduce a gradient as it is, with no state: FP8 (2-D), or bf16/fp32 (any shape)."""
-    if wire.dtype == "fp8":
-        return fp8_reduce(g, None, None, None, op=op, group=group, wire=wire, collective=collective, gather_dtype=gather_dtype)
+def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str, gather_dtype: str = "wire") -> Reduction:
+    """Reduce a gradient as it is, with no state: FP8/FP4 (2-D), or bf16/fp32 (any shape)."""
+    if wire.quantized:
+        return quantized_reduce(g, None, None, None, op=op, group=group, wire=wire, collective=collective, gather_dtype=gather_dtype)
     _check_collective(collective)
     reduce = all_reduce if collective == "all_reduce" else reduce_scatter
     return Reduction(reduce(g, op, group, wire), None, None, g.new_zeros(len(STATS), dtype=torch.float32))

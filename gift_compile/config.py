@@ -23,12 +23,15 @@ Scaling = Literal["tensor", "row_block"]
 FactorSource = Literal["current_step", "periodic"]
 Factorization = Literal["symmetric", "cholesky"]
 WhiteningLayout = Literal["dense", "lowrank"]
-EuclideanDtype = Literal["fp8", "bf16", "fp32"]
-GatherDtype = Literal["fp8", "bf16"]
+GiftDtype = Literal["fp8", "fp4"]
+EuclideanDtype = Literal["fp8", "fp4", "bf16", "fp32"]
+Fp4Format = Literal["nvfp4", "mxfp4"]
+GatherDtype = Literal["wire", "bf16"]
 ScaleMode = Literal["per_rank", "global_max"]
 
-# Keys a [gift] table may still use, with the field that replaced them.
+# Keys a [gift] table may still use, with the field that replaced them; and old values.
 DEPRECATED_KEYS = {"rank": "low_rank"}
+DEPRECATED_VALUES = {("all_gather_dtype", "fp8"): "wire"}  # from before FP4: the gather re-encodes on the layer's wire
 REMOVED_KEYS = {
     "side": "GIFT whitens the input side only (G T_A, the paper's choice and the only one that commutes "
     "with dim-0 sharding); the output/both/diag ablations live in benchmarks/fidelity.py",
@@ -40,8 +43,18 @@ class GiftConfig:
     enabled: bool = True
     """Master switch. When False every gradient is reduced exactly as without GIFT."""
 
+    gift_dtype: GiftDtype = "fp8"
+    """The wire of the whitened layers: ``fp8`` (8 bits per value, 0.25x fp32's bytes) or ``fp4``
+    (E2M1 with block scales, ``fp4_format``: 4.25-4.5 bits per value, ~0.14x fp32's bytes). A
+    whitened layer on its fallback keeps this wire (Euclidean FP4 for an FP4 layer)."""
+
     fp8_format: Fp8Format = "e4m3"
     """FP8 format on the wire: ``e4m3`` (3 mantissa bits, max 448) or ``e5m2`` (2 bits, max 57344)."""
+
+    fp4_format: Fp4Format = "nvfp4"
+    """FP4 encoding: ``nvfp4`` (16 values per E4M3 block scale, times an fp32 scale per sender:
+    4.5 bits per value) or ``mxfp4`` (32 values per power-of-two scale: 4.25 bits). Blocks run
+    along ``d_in``, the axis whitening mixes."""
 
     scaling: Scaling = "tensor"
     """``tensor``: one fp32 scale per tensor (the paper). ``row_block``: one scale per
@@ -87,10 +100,12 @@ class GiftConfig:
     euclidean_error_feedback: bool = False
     """The same error feedback for the Linear layers that travel as Euclidean FP8."""
 
-    all_gather_dtype: GatherDtype = "fp8"
+    all_gather_dtype: GatherDtype = "wire"
     """All-reduce route only (replicate / DDP): the dtype of its second phase, the all-gather of
-    the reduced shards. ``fp8`` keeps 0.25x of fp32's bytes (the shard is re-quantized, with
-    error feedback at its owner); ``bf16`` sends 0.375x and adds almost no error."""
+    the reduced shards. ``wire``: the owner re-encodes its shard on the layer's own wire (FP8 or
+    FP4, with error feedback at the owner), so the all-reduce keeps the wire's bytes; ``bf16``
+    sends the shards in bf16 (FP8 layers: 0.375x fp32's bytes) and adds almost no error.
+    (``fp8`` is the old name of ``wire``.)"""
 
     meter_interval: int = 10
     """Every N steps, each whitened layer also measures a Euclidean FP8 round trip of the same
@@ -116,7 +131,11 @@ class GiftConfig:
     ``()`` whitens nothing. ``"auto"`` profiles FP8 boundary hits first (torchtitan integration)."""
 
     euclidean_dtype: EuclideanDtype = "fp8"
-    """How Linear weight gradients that are not selected travel: ``fp8``, ``bf16`` or ``fp32``."""
+    """How Linear weight gradients that are not selected travel: ``fp8``, ``fp4``, ``bf16`` or ``fp32``."""
+
+    embedding_dtype: EuclideanDtype = "fp8"
+    """How other 2-D gradients (the token embedding) travel: ``fp8``, ``fp4``, ``bf16`` or ``fp32``.
+    1-D gradients (biases, norms) always keep their collective's own dtype."""
 
     scale_mode: ScaleMode = "per_rank"
     """``per_rank``: every sender's own scale travels with its payload (exact). ``global_max``:
@@ -130,6 +149,10 @@ class GiftConfig:
     drop in boundary-hit rate, as in the paper's Figure 3)."""
 
     def __post_init__(self) -> None:
+        for (name, old), new in DEPRECATED_VALUES.items():
+            if getattr(self, name) == old:
+                warnings.warn(f"GiftConfig.{name}={old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
+                object.__setattr__(self, name, new)
         for name, choices in _LITERAL_FIELDS.items():
             value = getattr(self, name)
             if value not in choices:
@@ -261,11 +284,14 @@ def _check_float(name: str, value: Any, *, low: float, high: float, closed_low: 
 
 
 _LITERAL_FIELDS: dict[str, tuple[str, ...]] = {
+    "gift_dtype": get_args(GiftDtype),
     "fp8_format": get_args(Fp8Format),
+    "fp4_format": get_args(Fp4Format),
     "scaling": get_args(Scaling),
     "factor_source": get_args(FactorSource),
     "factorization": get_args(Factorization),
     "euclidean_dtype": get_args(EuclideanDtype),
+    "embedding_dtype": get_args(EuclideanDtype),
     "all_gather_dtype": get_args(GatherDtype),
     "scale_mode": get_args(ScaleMode),
 }

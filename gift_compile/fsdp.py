@@ -8,10 +8,10 @@ zero-padded), concatenated in the group's parameter order; the output is this ra
 So each parameter's slot, read across the ``world`` rows, is this rank's whole local gradient
 (plus zero rows), and :class:`GiftReduceScatter` reduces it parameter by parameter:
 
-* selected Linear weights: GIFT (``layer_step.reduce_layer``): input-side whitening acts on
-  each row, so it commutes with the dim-0 split (docs/design.md §2);
-* other 2-D weights: Euclidean FP8 (``euclidean_dtype``; Linear weights with error feedback when
-  ``euclidean_error_feedback``);
+* as ``policy.plan`` says, the same rule as every other route: selected Linear weights GIFT
+  (``layer_step.reduce_layer``: input-side whitening acts on each row, so it commutes with the
+  dim-0 split, docs/design.md §2); other Linear weights on ``euclidean_dtype`` (with error
+  feedback when ``euclidean_error_feedback``); other 2-D weights on ``embedding_dtype``;
 * 1-D parameters (norms): the reduce dtype, as FSDP would.
 
 The factors need the layer's inputs, which the reduce-scatter never sees. A forward hook on
@@ -22,9 +22,9 @@ issues the all-reduce that sums the sketch over the shard group. The reduce-scat
 it when the gradient arrives. Everything else (state, error feedback, meter, fallback,
 counters, checkpoints) is the same runtime the compiled-graph route uses.
 
-The codec body (whiten, FP8 encode, ``all_to_all``, decode, unwhiten, the new residual) runs
-compiled: FSDP2 calls the reduce-scatter eagerly, so :func:`compiled_fp8_reduce` is
-``torch.compile(comm.fp8_reduce)``, one static-shape graph per parameter shape and path, in
+The codec body (whiten, FP8/FP4 encode, ``all_to_all``, decode, unwhiten, the new residual) runs
+compiled: FSDP2 calls the reduce-scatter eagerly, so :func:`compiled_quantized_reduce` is
+``torch.compile(comm.quantized_reduce)``, one static-shape graph per parameter shape and path, in
 which Inductor fuses the transforms with the casts as on the graph route.
 
 HSDP: on a 2-D mesh FSDP2 follows the reduce-scatter with a replicate-group ``all_reduce`` in
@@ -51,10 +51,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
+from gift_compile import policy
 from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, bytes_sent
-from gift_compile.comm import Reduction, euclidean_reduce, fp8_reduce
+from gift_compile.config import GiftConfig
+from gift_compile.comm import Reduction, euclidean_reduce, quantized_reduce
 from gift_compile.layer_step import EagerAccess, LayerPlan, issue_statistics, reduce_layer
+from gift_compile.policy import Plan
 from gift_compile.runtime import GiftRuntime, get_runtime
 
 log = logging.getLogger(__name__)
@@ -62,13 +65,13 @@ log = logging.getLogger(__name__)
 # One compiled graph per distinct (shape, path) of a model's 2-D parameters: a Llama has about
 # ten; Dynamo's default limit of 8 graphs per function would fall back to eager beyond that.
 COMPILED_GRAPHS_LIMIT = 64
-_fp8_reduce = torch.compile(fp8_reduce, fullgraph=True, dynamic=False)
+_quantized_reduce = torch.compile(quantized_reduce, fullgraph=True, dynamic=False)
 
 
-def compiled_fp8_reduce(*args, **kwargs):
-    """:func:`comm.fp8_reduce`, compiled (module docstring); same arguments, same result."""
+def compiled_quantized_reduce(*args, **kwargs):
+    """:func:`comm.quantized_reduce`, compiled (module docstring); same arguments, same result."""
     with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT):
-        return _fp8_reduce(*args, **kwargs)
+        return _quantized_reduce(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -123,12 +126,12 @@ class FsdpRoute:
     """What the FSDP route keeps on its runtime (``GiftRuntime.integration``)."""
 
     namespace: str
+    config: GiftConfig
+    """The config every parameter's ``policy.plan`` comes from (``layers = "auto"`` profiles
+    under the integration's FP8 config before it whitens)."""
     selected: frozenset[str] = frozenset()
-    embedding_dtype: str = "fp8"
-    euclidean_dtype: str | None = None
-    """Overrides ``GiftConfig.euclidean_dtype`` (``layers = "auto"`` profiles with FP8)."""
     plans: dict[str, LayerPlan] = field(default_factory=dict)
-    """Linear layer FQN -> its step's plan (the shard group, the unsharded shape)."""
+    """Linear layer FQN -> its step's plan (the shard group, the unsharded shape, whitened or not)."""
     pending: dict[str, tuple] = field(default_factory=dict)
     """Selected layer FQN -> ``issue_statistics``' result, from its forward until its reduce-scatter."""
     segments: list[Segment] = field(default_factory=list)
@@ -136,15 +139,16 @@ class FsdpRoute:
     hooked: set[str] = field(default_factory=set)
     replicate_group: dist.ProcessGroup | None = None
     """HSDP's replicate dimension (each group's all-reduce hook), or None."""
-    codec: Callable[..., Reduction] = compiled_fp8_reduce
-    """The FP8 codec body: compiled (the default), or ``comm.fp8_reduce`` itself (``install(compile_codec=False)``)."""
+    codec: Callable[..., Reduction] = compiled_quantized_reduce
+    """The quantized codec body: compiled (the default), or ``comm.quantized_reduce`` itself (``install(compile_codec=False)``)."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     """Every group this route sends over (each shard group, the replicas), by name: the agreement's."""
     device: torch.device | None = None
 
-    def select(self, model: nn.Module, layers) -> None:
-        """Whiten ``layers`` from the next step on (each gets its forward statistics hook once).
-        First the ranks agree on the whole route (agreement.py), on every group it sends over."""
+    def select(self, model: nn.Module, layers, config: GiftConfig | None = None) -> None:
+        """Whiten ``layers`` from the next step on (each gets its forward statistics hook once),
+        under ``config`` if given. First the ranks agree on the whole route (agreement.py), on
+        every group it sends over."""
         layers = frozenset(layers)
         if layers and not self.plans:
             log.info("GIFT: every FSDP shard group has one rank: nothing to communicate, gradients stay as they are")
@@ -153,21 +157,32 @@ class FsdpRoute:
         if missing:
             raise ValueError(f"GIFT layers {missing} are not Linear weights of any fully_shard parameter group; "
                              f"those are: {sorted(self.plans)}")
+        config = config or self.config
+        description = self.describe(config, layers)
         runtime = get_runtime(self.namespace)
-        description = self.describe(runtime.config, layers)
         for group in self.groups.values():
             runtime.agree(group, description, self.device)
         for fqn in sorted(layers - self.hooked):
             model.get_submodule(fqn).register_forward_hook(_input_hook(self.namespace, fqn))
             self.hooked.add(fqn)
-        self.selected = layers
+        self.config, self.selected = config, layers
+        self.plans = {fqn: LayerPlan.of(fqn, p.d_out, p.d_in, config, whitened=fqn in layers, collective="reduce_scatter",
+                                        op="sum", group_name=p.group_name) for fqn, p in self.plans.items()}
 
-    def describe(self, config, selected: frozenset[str]) -> str:
+    def plan(self, segment: Segment, *, replicas: bool = False, config: GiftConfig | None = None,
+             selected: frozenset[str] | None = None) -> Plan:
+        """How this parameter travels (``policy.plan``): on its reduce-scatter, or across the replicas."""
+        kind = "linear" if segment.layer is not None else ("vector" if len(segment.shape) == 1 else "matrix")
+        selected = self.selected if selected is None else selected
+        return policy.plan(config or self.config, kind, selected=segment.layer in selected,
+                           collective="all_reduce" if replicas else "reduce_scatter", replicas=replicas)
+
+    def describe(self, config: GiftConfig, selected: frozenset[str]) -> str:
         """What this rank's reduce-scatters (and replica all-reduces) will send, parameter by parameter."""
-        entries = [("route", f"embedding {self.embedding_dtype}, euclidean {self.euclidean_dtype}, groups {len(self.groups)}")]
+        entries = [("route", f"groups {len(self.groups)}")]
         for s in self.segments:
-            kind = "gift" if s.layer in selected else ("linear" if s.layer else f"{len(s.shape)}-d")
-            entries.append((s.name, f"{kind} {list(s.shape)} x{s.world}"))
+            plan = self.plan(s, config=config, selected=selected)
+            entries.append((s.name, plan.describe(s.shape, "reduce_scatter", "sum", s.world)))
         return describe(config, entries)
 
     @classmethod
@@ -217,60 +232,49 @@ class GiftReduceScatter(ReduceScatter):
         """FSDP's all-reduce hook (HSDP's replicate dimension): reduce this rank's shard of every
         parameter across the replicas, in place (module docstring)."""
         runtime = get_runtime(self.namespace)
-        group = FsdpRoute.of(runtime).replicate_group
+        route = FsdpRoute.of(runtime)
         for segment in self.segments:
             flat = reduce_output[segment.offset : segment.offset + segment.numel]
             shard = flat.view(segment.shard_rows, segment.cols) if len(segment.shape) > 1 else flat
-            wire = self._euclidean_wire(runtime, segment, shard.dtype, whitened_is_fp8=True)
             key = f"{segment.layer or segment.module}@replicate"
-            flat.copy_(self._euclidean(runtime, key, segment, shard, group, self._op, wire, "all_reduce").reshape(-1))
-
-    def _euclidean_wire(self, runtime: GiftRuntime, segment: Segment, dtype: torch.dtype, *, whitened_is_fp8: bool = False) -> WireFormat:
-        """The stateless wire of a parameter: 1-D in the reduce dtype, Linear weights in
-        ``euclidean_dtype`` (whitened ones in FP8 on the replicate all-reduce), others in ``embedding_dtype``."""
-        config, route = runtime.config, FsdpRoute.of(runtime)
-        if len(segment.shape) == 1:
-            return WireFormat("bf16" if dtype == torch.bfloat16 else "fp32")
-        if segment.layer is None:
-            return WireFormat.euclidean(config.replace(euclidean_dtype=route.embedding_dtype))
-        if whitened_is_fp8 and segment.layer in route.selected:
-            return WireFormat.euclidean(config.replace(euclidean_dtype="fp8"))
-        return WireFormat.euclidean(config.replace(euclidean_dtype=route.euclidean_dtype or config.euclidean_dtype))
+            reduced = self._stateless(runtime, route.plan(segment, replicas=True), key, segment, shard, route.replicate_group,
+                                      self._op, "all_reduce")
+            flat.copy_(reduced.reshape(-1))
 
     @staticmethod
-    def _euclidean(runtime: GiftRuntime, key: str, segment: Segment, grad: torch.Tensor, group, op: str, wire: WireFormat,
+    def _stateless(runtime: GiftRuntime, plan: Plan, key: str, segment: Segment, grad: torch.Tensor, group, op: str,
                    collective: str) -> torch.Tensor:
-        """One stateless reduction (compiled on the FP8 wire), counted under ``key`` when 2-D."""
-        if wire.dtype == "fp8":
+        """One reduction without state (compiled on a quantized wire), counted under ``key`` when 2-D."""
+        wire = plan.wire or WireFormat("bf16" if grad.dtype == torch.bfloat16 else "fp32")  # unchanged: the reduce dtype
+        if wire.quantized:
             reduction = FsdpRoute.of(runtime).codec(grad, None, None, None, op=op, group=group, wire=wire, collective=collective,
-                                                    gather_dtype=runtime.config.all_gather_dtype)
+                                                    gather_dtype=plan.gather_dtype)
         else:  # a dense wire: the collective alone, nothing to compile
             reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective=collective)
         if len(segment.shape) > 1:  # counted on every wire, fp32 included: the bytes metrics sum these
             # what this rank reduces: its whole gradient (reduce-scatter) or its shard (all-reduce)
-            nbytes = bytes_sent(tuple(grad.shape), dist.get_world_size(group), wire, collective, runtime.config.all_gather_dtype)
+            nbytes = bytes_sent(tuple(grad.shape), dist.get_world_size(group), wire, collective, plan.gather_dtype)
             runtime.record_euclidean(key, wire.dtype, reduction.stats, nbytes)
         return reduction.output
 
     def _reduce(self, runtime: GiftRuntime, segment: Segment, grad: torch.Tensor, group, op: str) -> torch.Tensor:
-        config, route = runtime.config, FsdpRoute.of(runtime)
-        if segment.layer in route.selected:
+        route = FsdpRoute.of(runtime)
+        plan = route.plan(segment)
+        if plan.whitened:
             pending = route.pending.pop(segment.layer, None)
             if pending is None:
                 raise RuntimeError(
                     f"GIFT: no forward statistics for layer {segment.layer!r} this step: its gift::record_input "
                     "forward hook did not run (install with gift_compile.fsdp.install)"
                 )
-            plan = dataclasses.replace(route.plans[segment.layer], op=op)
-            return reduce_layer(plan, EagerAccess(runtime), grad, *pending, reduce=route.codec)
-        wire = self._euclidean_wire(runtime, segment, grad.dtype)
-        if wire.dtype == "fp8" and segment.layer is not None and config.euclidean_error_feedback and route.euclidean_dtype is None:
-            # Euclidean FP8 with error feedback (not while layers = "auto" profiles): the layer's
-            # step without whitening; it reads no input, the gradient only gives the device.
-            plan = dataclasses.replace(route.plans[segment.layer], whitened=False, op=op)
-            access = EagerAccess(runtime)
-            return reduce_layer(plan, access, grad, *issue_statistics(plan, access, grad), reduce=route.codec)
-        return self._euclidean(runtime, segment.layer or segment.module, segment, grad, group, op, wire, "reduce_scatter")
+            step = dataclasses.replace(route.plans[segment.layer], op=op)
+            return reduce_layer(step, EagerAccess(runtime), grad, *pending, reduce=route.codec)
+        if plan.stateful:
+            # Euclidean with error feedback: the layer's step without whitening; it reads no
+            # input, the gradient only gives the device.
+            step, access = dataclasses.replace(route.plans[segment.layer], op=op), EagerAccess(runtime)
+            return reduce_layer(step, access, grad, *issue_statistics(step, access, grad), reduce=route.codec)
+        return self._stateless(runtime, plan, segment.layer or segment.module, segment, grad, group, op, "reduce_scatter")
 
 
 def normalize_op(op) -> tuple[str, float | None]:
@@ -325,19 +329,20 @@ def _input_hook(namespace: str, fqn: str):
     return hook
 
 
-def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=frozenset(), embedding_dtype: str = "fp8",
+def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=frozenset(),
             replicate_group: dist.ProcessGroup | None = None, compile_codec: bool = True) -> FsdpRoute:
     """Give every FSDP parameter group of ``model`` a :class:`GiftReduceScatter` and whiten the
     ``selected`` Linear layers (call after ``fully_shard``, before the first forward).
 
     HSDP: ``fully_shard`` over the shard dimension only and pass the replicate dimension's
     group as ``replicate_group``: each group's all-reduce hook then reduces across it (module
-    docstring). ``compile_codec=False`` runs the FP8 codec eagerly (the same arithmetic, bit for
-    bit; no Inductor compile per parameter shape)."""
+    docstring). ``compile_codec=False`` runs the quantized codec eagerly (the same arithmetic, bit
+    for bit; no Inductor compile per parameter shape). Every parameter travels as ``policy.plan``
+    says under the runtime's config."""
     if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
         replicate_group = None  # one replica: nothing to all-reduce
-    route = FsdpRoute(namespace, embedding_dtype=embedding_dtype, replicate_group=replicate_group,
-                      codec=compiled_fp8_reduce if compile_codec else fp8_reduce)
+    route = FsdpRoute(namespace, runtime.config, replicate_group=replicate_group,
+                      codec=compiled_quantized_reduce if compile_codec else quantized_reduce)
     runtime.integration = route
     names = {module: name for name, module in model.named_modules()}
     seen = set()
@@ -373,12 +378,13 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
             module.set_all_reduce_hook(comm.all_reduce)
         for segment in segments:
             if segment.layer is not None:
-                route.plans[segment.layer] = LayerPlan(segment.layer, segment.shape[0], segment.cols, True, "reduce_scatter", "sum",
-                                                       shard_group.group_name, runtime.config)
+                route.plans[segment.layer] = LayerPlan.of(segment.layer, segment.shape[0], segment.cols, runtime.config,
+                                                          whitened=False, collective="reduce_scatter", op="sum",
+                                                          group_name=shard_group.group_name)
     if replicate_group is not None and route.segments:
         route.groups[replicate_group.group_name] = replicate_group
     route.select(model, selected)
     return route
 
 
-__all__ = ["FsdpRoute", "GiftReduceScatter", "Segment", "compiled_fp8_reduce", "group_segments", "install", "normalize_op"]
+__all__ = ["FsdpRoute", "GiftReduceScatter", "Segment", "compiled_quantized_reduce", "group_segments", "install", "normalize_op"]

@@ -7,7 +7,7 @@ A step has two halves, so a compiled graph can start the statistics early:
   the inputs and the all-reduce that sums it. The all-reduce is only issued here; its
   ``wait_tensor`` comes in the second half, so it overlaps with the compute in between.
 * :func:`reduce_layer` (where the gradient's own collective was): the factors from the
-  summed sketch (or the periodic ones), the live meter, then ``comm.fp8_reduce`` with the
+  summed sketch (or the periodic ones), the live meter, then ``comm.quantized_reduce`` with the
   layer's residuals, and ``end_step``.
 
 The state is reached through a :class:`StateAccess`: :class:`EagerAccess` calls a
@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from gift_compile.collectives import WireFormat, all_reduce_bytes, bytes_sent
-from gift_compile.comm import Reduction, gather_residual_shape, fp8_reduce
+from gift_compile import policy
+from gift_compile.collectives import WireFormat, all_reduce_bytes
+from gift_compile.policy import Plan
+from gift_compile.comm import Reduction, gather_residual_shape, quantized_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening, input_sketch, sketch_numel, whitening_from_sketch
 from gift_compile.runtime import GiftRuntime
@@ -35,17 +37,29 @@ c10d = torch.ops._c10d_functional
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What one layer's step does: fixed when a graph is traced (and baked into it)."""
+    """What one stateful layer's step does (``policy.Plan`` plus where it happens): fixed when a
+    graph is traced (and baked into it)."""
 
     fqn: str
     d_out: int
     d_in: int
-    whitened: bool
-    """True: GIFT (whitened FP8). False: Euclidean FP8 with error feedback."""
+    plan: Plan
+    """``gift`` (whitened) or ``euclidean+ef`` (unwhitened, with a residual)."""
     collective: str  # "all_reduce" | "reduce_scatter"
     op: str  # "sum" | "avg"
     group_name: str
     config: GiftConfig
+
+    @classmethod
+    def of(cls, fqn: str, d_out: int, d_in: int, config: GiftConfig, *, whitened: bool, collective: str, op: str,
+           group_name: str) -> LayerPlan:
+        """The step of a Linear layer that ``config`` whitens (or keeps a Euclidean residual for)."""
+        return cls(fqn, d_out, d_in, policy.plan(config, "linear", selected=whitened, collective=collective),
+                   collective, op, group_name, config)
+
+    @property
+    def whitened(self) -> bool:
+        return self.plan.whitened
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -64,25 +78,16 @@ class LayerPlan:
         return self.config.factor_rank(self.d_in)
 
     @property
-    def keeps_residual(self) -> bool:
-        return self.config.error_feedback if self.whitened else self.config.euclidean_error_feedback
-
-    @property
-    def keeps_gather_residual(self) -> bool:
-        return self.keeps_residual and self.collective == "all_reduce" and self.config.all_gather_dtype == "fp8"
-
-    @property
     def wire(self) -> WireFormat:
-        return WireFormat.gift(self.config) if self.whitened else WireFormat.euclidean(self.config)
+        return self.plan.wire
 
     @property
     def bytes_sent(self) -> int:
-        return bytes_sent((self.d_out, self.d_in), self.world, self.wire, self.collective, self.config.all_gather_dtype)
+        return self.plan.bytes_sent((self.d_out, self.d_in), self.world, self.collective)
 
     def describe(self) -> str:
         """What this step sends, for the ranks' agreement (agreement.py)."""
-        path = "gift" if self.whitened else "euclidean+ef"
-        return f"{path} fp8 {self.collective}({self.op}) {[self.d_out, self.d_in]} x{self.world}"
+        return self.plan.describe((self.d_out, self.d_in), self.collective, self.op, self.world)
 
     @property
     def stats_bytes(self) -> int:
@@ -128,10 +133,10 @@ def issue_statistics(
 
 def reduce_layer(
     plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, sketch: torch.Tensor | None,
-    basis: torch.Tensor | None, scale: torch.Tensor | None, *, reduce=fp8_reduce,
+    basis: torch.Tensor | None, scale: torch.Tensor | None, *, reduce=quantized_reduce,
 ) -> torch.Tensor:
     """Second half: factors, meter, the FP8 reduction with error feedback, ``end_step``.
-    ``reduce`` is :func:`comm.fp8_reduce` or a compiled version of it (the FSDP route)."""
+    ``reduce`` is :func:`comm.quantized_reduce` or a compiled version of it (the FSDP route)."""
     whitening, next_basis, next_scale = None, None, None
     if plan.whitened:
         if plan.current_step:
@@ -140,11 +145,11 @@ def reduce_layer(
             whitening = Whitening.from_list(plan.config.whitening_layout, access.factors(plan, token))
         whitening = whitening.or_identity(token)
         access.meter(plan, grad, token)
-    residual = access.residual(plan, token) if plan.keeps_residual else None
-    gather_residual = access.gather_residual(plan, token) if plan.keeps_gather_residual else None
+    residual = access.residual(plan, token) if plan.plan.error_feedback else None
+    gather_residual = access.gather_residual(plan, token) if plan.plan.gather_error_feedback else None
     reduction = reduce(
         grad, whitening, residual, gather_residual, op=plan.op, group=plan.group, wire=plan.wire,
-        collective=plan.collective, gather_dtype=plan.config.all_gather_dtype,
+        collective=plan.collective, gather_dtype=plan.plan.gather_dtype,
     )
     access.end(plan, token, reduction, next_basis, next_scale)
     return reduction.output

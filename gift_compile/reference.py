@@ -8,7 +8,9 @@ average over the process group:
   in a ``GiftRuntime`` exactly as the compiled graph keeps it;
 * weights of the other Linear layers: ``config.euclidean_dtype`` on the wire (FP8 default,
   with error feedback when ``euclidean_error_feedback``);
-* every other parameter (biases, norms, embeddings): an exact fp32 all-reduce.
+* other 2-D parameters (embeddings): ``config.embedding_dtype``;
+* every other parameter (biases, norms): an exact all-reduce in its own dtype
+  (``policy.py`` has the rule, shared with every other route).
 
 No gradient is ever left unreduced. It runs the same ``layer_step`` code as the compiled
 graph, so the two agree bit for bit; the algorithm itself is checked against an independent
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gift_compile import policy
 from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, resolve_group
 from gift_compile.comm import euclidean_reduce
@@ -28,7 +31,6 @@ from gift_compile.layer_step import LayerPlan, step_eagerly
 from gift_compile.runtime import GiftRuntime
 from gift_compile.selection import linear_fqns, select_layers
 
-_FP32 = WireFormat("fp32")
 
 
 class GiftReducer:
@@ -52,8 +54,9 @@ class GiftReducer:
         collective: str = "all_reduce",
         whitened: bool = True,
     ) -> torch.Tensor:
-        """One step of one layer (``whitened=False``: Euclidean FP8 with error feedback)."""
-        plan = LayerPlan(fqn, grad.shape[0], grad.shape[1], whitened, collective, op, self.group.group_name, self.config)
+        """One step of one layer (``whitened=False``: Euclidean with error feedback)."""
+        plan = LayerPlan.of(fqn, grad.shape[0], grad.shape[1], self.config, whitened=whitened, collective=collective, op=op,
+                            group_name=self.group.group_name)
         # The ranks agree on this layer's step before its first collective (agreement.py).
         self.runtime.agree(self.group, describe(self.config, [(fqn, plan.describe())]), grad.device)
         return step_eagerly(plan, self.runtime, grad, layer_input)
@@ -69,11 +72,12 @@ class GiftReference(GiftReducer):
         self.model = model
         self.linears = linear_fqns(model)
         self.selected = select_layers(self.linears, config.layers) if config.enabled else []
-        self.stateful_euclidean = config.enabled and config.euclidean_dtype == "fp8" and config.euclidean_error_feedback
+        self.plans = {name: policy.plan(config, kind, selected=layer in self.selected, collective="all_reduce")
+                      for name, kind, layer in parameter_kinds(model)}
         self._inputs: dict[str, torch.Tensor] = {}
         modules = dict(model.named_modules())
-        watched = self.linears if self.stateful_euclidean else self.selected
-        self._hooks = [modules[fqn].register_forward_hook(self._keep_input(fqn)) for fqn in watched]
+        watched = {layer for name, _, layer in parameter_kinds(model) if self.plans[name].stateful}
+        self._hooks = [modules[fqn].register_forward_hook(self._keep_input(fqn)) for fqn in sorted(watched)]
 
     def _keep_input(self, fqn: str):
         def hook(module, args, output):
@@ -84,26 +88,38 @@ class GiftReference(GiftReducer):
     @torch.no_grad()
     def reduce_gradients(self, op: str = "avg") -> None:
         """Replace every parameter's ``.grad`` by its reduction over the group."""
-        euclidean = WireFormat.euclidean(self.config) if self.config.enabled else _FP32
-        linear_weights = {f"{fqn}.weight" if fqn else "weight": fqn for fqn in self.linears}
+        layers = {name: layer for name, _, layer in parameter_kinds(self.model)}
         params = [(name, p) for name, p in self.model.named_parameters() if p.grad is not None]
         if params:  # every rank reduces the same parameters, the same way (agreement.py)
-            paths = [(name, f"{'gift' if linear_weights.get(name) in self.selected else 'reduced'} {list(p.shape)}") for name, p in params]
-            self.runtime.agree(self.group, describe(self.config, paths), params[0][1].device)
-        for name, param in self.model.named_parameters():
-            if param.grad is None:
-                continue
-            fqn = linear_weights.get(name)
-            if fqn is not None and (fqn in self.selected or self.stateful_euclidean):
+            world = self.group.size()
+            entries = [(name, self.plans[name].describe(tuple(p.shape), "all_reduce", op, world)) for name, p in params]
+            self.runtime.agree(self.group, describe(self.config, entries), params[0][1].device)
+        for name, param in params:
+            plan = self.plans[name]
+            if plan.stateful:
+                fqn = layers[name]
                 if fqn not in self._inputs:
                     raise RuntimeError(f"GiftReference: no forward input recorded for layer {fqn!r}; run the model's forward first")
                 layer_input = self._inputs[fqn].reshape(-1, param.grad.shape[1])  # the latest forward's
-                param.grad = self.reduce_layer(fqn, param.grad, layer_input, op=op, whitened=fqn in self.selected)
+                param.grad = self.reduce_layer(fqn, param.grad, layer_input, op=op, whitened=plan.whitened)
                 continue
-            wire = euclidean if fqn is not None else _FP32
+            wire = plan.wire or WireFormat("bf16" if param.grad.dtype == torch.bfloat16 else "fp32")
             param.grad = euclidean_reduce(param.grad, op=op, group=self.group, wire=wire, collective="all_reduce",
-                                          gather_dtype=self.config.all_gather_dtype).output
+                                          gather_dtype=plan.gather_dtype).output
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+def parameter_kinds(model: nn.Module) -> list[tuple[str, policy.ParamKind, str | None]]:
+    """``(parameter name, policy kind, its Linear layer's FQN or None)`` of every parameter."""
+    kinds = []
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}" if module_name else pname
+            if isinstance(module, nn.Linear) and pname == "weight":
+                kinds.append((name, "linear", module_name))
+            else:
+                kinds.append((name, "matrix" if param.dim() == 2 else "vector", None))
+    return kinds

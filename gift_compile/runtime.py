@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gift_compile import policy
 from gift_compile.agreement import agree
 from gift_compile.comm import Reduction
 from gift_compile.config import GiftConfig
@@ -97,7 +98,8 @@ class GiftRuntime:
 
     # -- one layer's step (stateful layers: whitened, or Euclidean with error feedback) ---------
     def path(self, whitened: bool) -> str:
-        return "gift" if whitened else f"{self.config.euclidean_dtype}+ef"
+        """The counters row's path of a stateful layer (``policy.Plan.path``)."""
+        return policy.plan(self.config, "linear", selected=whitened).path
 
     def begin_step(self, fqn: str, d_out: int, d_in: int, whitened: bool, layer_input: torch.Tensor, group) -> bool:
         """Create or place the layer's state, refresh periodic factors when due; returns whether

@@ -43,6 +43,46 @@ def quantize(v: torch.Tensor) -> torch.Tensor:
     return e4m3(v / scale) * scale
 
 
+# E2M1 (OCP MX FP4) from its definition: sign, 2 exponent bits (bias 1), 1 mantissa bit.
+E2M1_GRID = tuple((m / 2) if e == 0 else (1 + m / 2) * 2.0 ** (e - 1) for e in range(4) for m in range(2))
+E2M1_MAX = E2M1_GRID[-1]
+
+
+def e2m1(values: torch.Tensor) -> torch.Tensor:
+    """Round float64 ``values`` to the nearest E2M1 number, ties to the even mantissa, saturating at 6."""
+    grid = torch.tensor(E2M1_GRID, dtype=torch.float64)
+    magnitude = values.abs().clamp_max(E2M1_MAX)
+    distance = (magnitude[..., None] - grid).abs()
+    nearest = distance.min(dim=-1, keepdim=True).values
+    # among the nearest (two on a tie), the one whose mantissa bit (grid index parity) is 0
+    tied_odd = (distance == nearest) & (torch.arange(len(E2M1_GRID)) % 2 == 1)
+    chosen = torch.where(distance == nearest, 0, 1) * 2 + tied_odd.long()
+    return torch.sign(values) * grid[chosen.argmin(dim=-1)]
+
+
+def fp4_round_trip(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """One sender's FP4 round trip of a tensor, blocks of consecutive elements in row-major order
+    (zero-padded at the end; along ``d_in`` when it is a multiple of the block).
+
+    ``nvfp4``: blocks of 16, an e4m3 block scale times an fp32 tensor scale ``amax / (6 * 448)``;
+    ``mxfp4``: blocks of 32, a power-of-two scale ``2^(floor(log2 block_amax) - 2)``. The
+    scales are computed in fp32, as the formats define them; the values in float64."""
+    block = {"nvfp4": 16, "mxfp4": 32}[fmt]
+    flat = x.double().reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block)).reshape(-1, block)
+    block_amax = padded.abs().amax(dim=-1).float()
+    if fmt == "nvfp4":
+        tensor_scale = max(padded.abs().max().float(), torch.tensor(1e-30)) / torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32)
+        block_scale = e4m3((block_amax / (E2M1_MAX * tensor_scale)).double()).float()
+        scales = (block_scale * tensor_scale).double()
+    else:
+        exponent = torch.floor(torch.log2(block_amax.double().clamp_min(2.0**-126))) - 2
+        scales = torch.pow(2.0, exponent.clamp(-126, 127))
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    decoded = e2m1(padded / safe[..., None]) * scales[..., None]
+    return decoded.reshape(-1)[: flat.numel()].reshape(x.shape)
+
+
 def rows_of(rank: int, world: int, d_out: int) -> slice:
     """The rows rank ``rank`` owns after a dim-0 reduce-scatter (``ceil(d_out / world)`` each)."""
     c = -(-d_out // world)

@@ -1,15 +1,23 @@
-"""FP8 / bf16 / fp32 collectives on real gloo ranks against an exact fp64 reference.
+"""FP8 / FP4 / bf16 / fp32 collectives on real gloo ranks against an exact fp64 reference.
 
 Bounds. Every rank's chunk is quantized once before the reduction (relative error per
 element <= 2^-4 for e4m3, see test_numerics), so the reduce-scatter error is at most
 sum_i ||x_i|| / 16 in norm. The all-reduce re-quantizes the reduced shard once more:
 <= (sum_i ||x_i|| + ||sum_i x_i||) / 16. Scale-block padding adds nothing (zeros).
+
+FP4 (E2M1, block scale s): a value v = x / s at or above 1 is off by at most half the grid's
+spacing there, <= v / 4; below 1 by at most 0.25; above 6 (a scale rounded down) it saturates,
+off by <= v / 4 (NVFP4: the E4M3 scale is within 2^-4, so v <= 6.4) or <= v / 3 (MXFP4: v < 8).
+So |e_i| <= |x_i| / 4 + s / 4 (NVFP4; s <= block_amax / 5.65) or |x_i| / 3 + s / 4 (MXFP4;
+s <= block_amax / 4), and summing over blocks of 16 / 32 with sum block_amax^2 <= ||x||^2:
+||e|| <= 0.43 ||x|| (NVFP4), <= 0.69 ||x|| (MXFP4). Loose, but it holds for any input; the
+codec's exact rounding is checked against the independent oracle in test_fp4.py.
 """
 
 import pytest
 import torch
 
-from gift_compile.collectives import WireFormat, _pack, _encode, _chunked, all_reduce, bytes_sent, layout, reduce_scatter
+from gift_compile.collectives import WireFormat, _chunked, _encode, all_reduce, bytes_sent, layout, reduce_scatter
 
 SHAPES = [(10, 7), (9,), (1, 3), (300, 200), (6, 2, 3)]
 WIRES = {
@@ -17,10 +25,12 @@ WIRES = {
     "fp8_e5m2": WireFormat(fp8_format="e5m2"),
     "fp8_rowblock": WireFormat(scaling="row_block", block_rows=2),
     "fp8_globalmax": WireFormat(scale_mode="global_max"),
+    "fp4_nvfp4": WireFormat("fp4"),
+    "fp4_mxfp4": WireFormat("fp4", fp4_format="mxfp4"),
     "bf16": WireFormat("bf16"),
     "fp32": WireFormat("fp32"),
 }
-HALF_ULP = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+HALF_ULP = {"e4m3": 2.0**-4, "e5m2": 2.0**-3, "nvfp4": 0.43, "mxfp4": 0.69}  # relative norm bounds, see the docstring
 
 
 def rank_input(shape, rank, seed=0):
@@ -36,13 +46,14 @@ def collective_cases(rank, world):
             for op in ("sum", "avg"):
                 out[(shape, name, op, "all_reduce")] = all_reduce(x, op, None, wire)
                 out[(shape, name, op, "reduce_scatter")] = reduce_scatter(x, op, None, wire)
-    zeros = torch.zeros(8, 4)
-    out["zeros"] = (all_reduce(zeros, "sum", None, WIRES["fp8"]), reduce_scatter(zeros, "avg", None, WIRES["fp8"]))
-    for bad in ("nan", "inf"):
-        x = torch.randn(8, 4)
-        if rank == 0:
-            x[5, 1] = float(bad)
-        out[bad] = (all_reduce(x, "avg", None, WIRES["fp8"]), reduce_scatter(x, "sum", None, WIRES["fp8"]))
+    for wire in ("fp8", "fp4_nvfp4", "fp4_mxfp4"):
+        zeros = torch.zeros(8, 4)
+        out["zeros", wire] = (all_reduce(zeros, "sum", None, WIRES[wire]), reduce_scatter(zeros, "avg", None, WIRES[wire]))
+        for bad in ("nan", "inf"):
+            x = torch.randn(8, 4)
+            if rank == 0:
+                x[5, 1] = float(bad)
+            out[bad, wire] = (all_reduce(x, "avg", None, WIRES[wire]), reduce_scatter(x, "sum", None, WIRES[wire]))
     return out
 
 
@@ -71,7 +82,7 @@ def bound(name, input_norms, output_norm, collective):
     if name == "bf16":
         # bf16 rounds inputs (2^-9 relative) and the gloo sum of bf16 values rounds again.
         return 2.0**-8 * (input_norms + output_norm) * 2
-    half_ulp = HALF_ULP["e5m2" if "e5m2" in name else "e4m3"]
+    half_ulp = HALF_ULP[next((f for f in ("e5m2", "nvfp4", "mxfp4") if f in name), "e4m3")]
     return half_ulp * (input_norms + (output_norm if collective == "all_reduce" else 0))
 
 
@@ -96,21 +107,24 @@ def test_reductions_match_fp64_within_bound(results, shape, name):
 def test_all_reduce_is_bit_identical_on_every_rank(results):
     world, per_rank = results
     for key, value in per_rank[0].items():
-        if isinstance(key, tuple) and key[3] == "all_reduce":
+        if isinstance(key, tuple) and len(key) == 4 and key[3] == "all_reduce":
             for other in per_rank[1:]:
                 assert torch.equal(other[key], value), key
 
 
-def test_zero_gradients_reduce_to_exact_zeros(results):
+@pytest.mark.parametrize("wire", ["fp8", "fp4_nvfp4", "fp4_mxfp4"])
+def test_zero_gradients_reduce_to_exact_zeros(results, wire):
     _, per_rank = results
-    for full, shard in (out["zeros"] for out in per_rank):
+    for full, shard in (out["zeros", wire] for out in per_rank):
         assert torch.equal(full, torch.zeros(8, 4)) and not bool(shard.any())
 
 
+@pytest.mark.parametrize("wire", ["fp8", "fp4_nvfp4", "fp4_mxfp4"])
 @pytest.mark.parametrize("bad", ["nan", "inf"])
-def test_non_finite_gradient_is_non_finite_on_every_rank(results, bad):
+def test_non_finite_gradient_is_non_finite_on_every_rank(results, bad, wire):
+    # FP4 has no NaN code: the block's (MXFP4) or sender's (NVFP4) scale carries it
     _, per_rank = results
-    for full, shard in (out[bad] for out in per_rank):
+    for full, shard in (out[bad, wire] for out in per_rank):
         assert not bool(torch.isfinite(full).all()) and not bool(torch.isfinite(shard).all())
 
 
@@ -121,13 +135,17 @@ def test_fp8_bytes_are_at_most_26_percent_of_fp32(world, shape):
         fp8 = bytes_sent(shape, world, WIRES["fp8"], collective)
         fp32 = bytes_sent(shape, world, WIRES["fp32"], collective)
         assert fp8 <= 0.26 * fp32, (collective, fp8 / fp32)
+        # FP4: 4 bits plus one byte per block of 16 (NVFP4, + 4 bytes per sender) or 32 (MXFP4):
+        # 0.1406x and 0.1328x fp32, plus the zero rows of an uneven split (256 rows on 3 ranks)
+        assert bytes_sent(shape, world, WIRES["fp4_nvfp4"], collective) <= 0.1425 * fp32
+        assert bytes_sent(shape, world, WIRES["fp4_mxfp4"], collective) <= 0.135 * fp32
 
 
-def test_byte_count_matches_the_packed_message():
-    wire = WireFormat(scaling="row_block", block_rows=16)
+@pytest.mark.parametrize("name", ["fp8_rowblock", "fp4_nvfp4", "fp4_mxfp4"])
+def test_byte_count_matches_the_message(name):
+    wire = WireFormat(scaling="row_block", block_rows=16) if name == "fp8_rowblock" else WIRES[name]
     x = torch.randn(100, 30)
     lay = layout(x.shape, 4, wire)
-    payload, scales = _encode(_chunked(x, lay), lay, wire, None)
-    message_bytes = _pack(payload, scales)[0].numel()
-    assert bytes_sent(x.shape, 4, wire, "reduce_scatter") == 3 * message_bytes
-    assert bytes_sent(x.shape, 4, wire, "all_reduce") == 6 * message_bytes
+    messages, _, _ = _encode(_chunked(x, lay), lay, wire, None)
+    assert bytes_sent(x.shape, 4, wire, "reduce_scatter") == 3 * messages[0].numel()
+    assert bytes_sent(x.shape, 4, wire, "all_reduce") == 6 * messages[0].numel()

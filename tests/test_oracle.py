@@ -130,14 +130,14 @@ def test_compiled_path_matches_the_oracle(factor_source, ranks):
 def residual_across_a_refresh(rank, world):
     """Spy on what the reduce-scatter is asked to send at a refresh step and the step before."""
     sent = []
-    original = comm.fp8_reduce_scatter
+    original = comm.quantized_reduce_scatter
 
     def spy(x, op, group, wire):
         result = original(x, op, group, wire)
         sent.append((x.clone(), result.sent.clone()))
         return result
 
-    comm.fp8_reduce_scatter = spy
+    comm.quantized_reduce_scatter = spy
     try:
         reducer = GiftReducer(config_for("periodic"))
         factors, grads = [], []
@@ -147,7 +147,7 @@ def residual_across_a_refresh(rank, world):
             reducer.reduce_layer("fc", grads[-1], x, collective="reduce_scatter")
             factors.append([t.clone() for t in reducer.state.layer("fc").factor_tensors()])
     finally:
-        comm.fp8_reduce_scatter = original
+        comm.quantized_reduce_scatter = original
     return sent, factors, grads
 
 

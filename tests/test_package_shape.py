@@ -8,8 +8,9 @@ from gift_compile.package_graph import import_graph as graph
 LAYERS = [
     {"config", "package_graph"},
     {"numerics", "geometry", "selection"},
+    {"fp4"},
     {"collectives", "agreement"},
-    {"comm"},
+    {"comm", "policy"},
     {"state"},
     {"counters"},
     {"runtime"},

@@ -1,9 +1,10 @@
-"""GIFT pass: send Linear weight gradients through FP8 (whitened for selected layers).
+"""GIFT pass: send gradients through FP8 or FP4 (Linear weights whitened when selected).
 
-Finds every gradient collective in a traced graph whose input is an ``nn.Linear`` weight
-gradient and replaces it with the GIFT path (selected layers) or the Euclidean low-precision
-path (other Linear layers). Everything else (biases, norms, embeddings, Linear layers when
-``euclidean_dtype == "fp32"``) keeps its original collective, untouched.
+Finds every gradient collective in a traced graph and replaces it as ``policy.plan`` says:
+an ``nn.Linear`` weight gradient takes the GIFT path (selected layers) or the Euclidean
+low-precision path (other Linear layers); another 2-D gradient whose module is known (the
+token embedding) the Euclidean path on ``embedding_dtype``. Everything else (biases, norms,
+wires equal to the collective's own: fp32) keeps its original collective, untouched.
 
 Before (one Linear weight gradient, post-grad backward graph)::
 
@@ -35,8 +36,8 @@ After (selected layer; the two halves are ``layer_step.issue_statistics`` and
 
 Identity relied on: input-side whitening right-multiplies, so it acts on each row alone and
 commutes with the dim-0 split of a reduce-scatter; and ``sum_r (G_r T) T^-1 = sum_r G_r``
-exactly, so only FP8 rounding separates the result from the plain collective.
-Other Linear layers get ``comm.fp8_reduce`` without whitening (with ``euclidean_error_feedback``,
+exactly, so only the wire's rounding separates the result from the plain collective.
+Other Linear layers get ``comm.quantized_reduce`` without whitening (with ``euclidean_error_feedback``,
 through the same two halves with a residual and no statistics).
 """
 
@@ -52,13 +53,14 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.operator_schemas import normalize_function
 
+from gift_compile import policy
 from gift_compile.agreement import describe
-from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.layer_step import LayerPlan, issue_statistics, reduce_layer
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
+from gift_compile.policy import ParamKind, Plan
 
 log = logging.getLogger(__name__)
 
@@ -141,46 +143,53 @@ def _shape(node) -> tuple[int, ...] | None:
 
 @dataclass(frozen=True)
 class Rewrite:
-    """What the pass does with one gradient collective."""
+    """What the pass does with one gradient collective: its ``policy.Plan``."""
 
     found: GradientCollective
-    kind: str
-    """``gift`` (whitened), ``euclidean+ef`` (Euclidean FP8 with a residual) or ``euclidean`` (stateless)."""
-    config: GiftConfig
-    """The config of this collective's path (an integration's embedding path has its own ``euclidean_dtype``)."""
+    plan: Plan
 
     def describe(self) -> tuple[str, str]:
         """``(layer, what travels)``: this rank's entry of the ranks' agreement (agreement.py)."""
-        shape = list(self.found.collective.args[0].meta["val"].shape)
-        wire = self.config.euclidean_dtype if self.kind == "euclidean" else "fp8"
-        return self.found.fqn, f"{self.kind} {wire} {self.found.collective_type}({self.found.op}) {shape} x{world_size(self.found)}"
+        shape = tuple(self.found.collective.args[0].meta["val"].shape)
+        return self.found.fqn, self.plan.describe(shape, self.found.collective_type, self.found.op, world_size(self.found))
+
+
+def parameter_kind(found: GradientCollective) -> tuple[ParamKind, str] | None:
+    """``(policy kind, counters name)`` of a gradient collective; None when a 2-D gradient cannot
+    be attributed (it keeps its original reduction)."""
+    if found.fqn is not None:
+        return "linear", found.fqn
+    value = found.collective.args[0]
+    if found.mm is not None or value.meta["val"].dim() != 2:
+        return None if found.mm is not None else ("vector", value.name)
+    origin = innermost_module(value)
+    if origin is None or is_linear_type(origin[1]):
+        return None
+    return "matrix", origin[0]
 
 
 def plan_rewrites(graph: fx.Graph, config: GiftConfig, selected: frozenset[str]) -> list[Rewrite]:
-    """Which Linear weight-gradient collectives of ``graph`` the pass rewrites, and how.
+    """Which gradient collectives of ``graph`` the pass rewrites, and how (``policy.plan``).
 
-    ``selected`` are the FQNs sent in whitened coordinates. Collectives that cannot be
-    attributed to a Linear layer keep their original, full-precision reduction (warned).
+    ``selected`` are the Linear FQNs sent in whitened coordinates. A weight-gradient ``mm``
+    that cannot be attributed to a Linear layer keeps its original, full-precision reduction
+    (warned), as does any plan whose wire is the collective's own (``unchanged``, fp32).
     """
     rewrites, skipped = [], []
     uses: Counter[str] = Counter()
     for found in find_gradient_collectives(graph):
-        if found.fqn is None:
-            if found.mm is not None:
-                skipped.append(found.collective.name)
+        kind = parameter_kind(found)
+        if kind is None:
+            skipped += [found.collective.name] if found.mm is not None else []
             continue
+        kind, name = kind
+        plan = policy.plan(config, kind, selected=name in selected, collective=found.collective_type)
+        if plan.kind == "unchanged" or (plan.kind == "euclidean" and plan.wire.dtype == "fp32"):
+            continue  # that is the collective as traced
         # A layer used twice in one forward has one collective per use (replicate() reduces each
         # use's part of the gradient): each keeps its own state, keyed "fqn#2", "fqn#3", ...
-        uses[found.fqn] += 1
-        layer = found.fqn
-        if uses[layer] > 1:
-            found = dataclasses.replace(found, fqn=f"{layer}#{uses[layer]}")
-        if layer in selected:
-            rewrites.append(Rewrite(found, "gift", config))
-        elif config.euclidean_dtype == "fp8" and config.euclidean_error_feedback:
-            rewrites.append(Rewrite(found, "euclidean+ef", config))
-        elif config.euclidean_dtype != "fp32":
-            rewrites.append(Rewrite(found, "euclidean", config))
+        uses[name] += 1
+        rewrites.append(Rewrite(dataclasses.replace(found, fqn=name if uses[name] == 1 else f"{name}#{uses[name]}"), plan))
     if skipped:
         log.warning(
             "GIFT: %d weight-gradient collective(s) could not be attributed to a Linear layer and keep "
@@ -198,15 +207,15 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
         like = next(n for n in graph.find_nodes(op="placeholder") if isinstance(n.meta.get("val"), torch.Tensor))
         agreed = splice_traced(graph, lambda x: agree_first(namespace, groups, description, x), [like], after=like)
         for rewrite in rewrites:
-            if rewrite.kind == "euclidean":
-                rewrite_euclidean(graph, rewrite.found, rewrite.config, namespace, agreed)
+            if rewrite.plan.stateful:
+                rewrite_stateful(graph, rewrite, config, namespace, agreed)
             else:
-                rewrite_stateful(graph, rewrite.found, rewrite.config, namespace, agreed, whitened=rewrite.kind == "gift")
+                rewrite_euclidean(graph, rewrite, namespace, agreed)
     graph.lint()
 
 
 def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, selected: frozenset[str]) -> list[GradientCollective]:
-    """Rewrite the Linear weight-gradient collectives of ``graph`` in place; returns those rewritten."""
+    """Rewrite the gradient collectives of ``graph`` in place; returns those rewritten."""
     rewrites = plan_rewrites(graph, config, selected)
     apply_rewrites(graph, rewrites, config, namespace)
     return [r.found for r in rewrites]
@@ -219,14 +228,13 @@ def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]
     graph.erase_node(found.collective)
 
 
-def rewrite_stateful(
-    graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str, agreed: fx.Node, *, whitened: bool
-) -> None:
+def rewrite_stateful(graph: fx.Graph, rewrite: Rewrite, config: GiftConfig, namespace: str, agreed: fx.Node) -> None:
     """Replace a Linear weight-gradient collective by the two halves of ``layer_step``: the
     statistics right after the layer's input exists (and after the agreement), the reduction
     where the collective was."""
+    found = rewrite.found
     d_out, d_in = found.mm.meta["val"].shape
-    plan = LayerPlan(found.fqn, d_out, d_in, whitened, found.collective_type, found.op, found.group_name, config)
+    plan = LayerPlan(found.fqn, d_out, d_in, rewrite.plan, found.collective_type, found.op, found.group_name, config)
     access = OpsAccess(namespace)
     layer_input = found.mm.args[1]
     anchor = agreed if layer_input.op == "placeholder" else layer_input  # the agreement is the first computation
@@ -243,19 +251,19 @@ def rewrite_stateful(
     _replace(graph, found, late, [found.collective.args[0], *early])
 
 
-def rewrite_euclidean(graph: fx.Graph, found: GradientCollective, config: GiftConfig, namespace: str, agreed: fx.Node) -> None:
-    """Replace one gradient collective by the stateless Euclidean ``config.euclidean_dtype`` path,
-    counted under ``found.fqn`` (also used by integrations for non-Linear 2-D gradients)."""
-    wire = WireFormat.euclidean(config)
+def rewrite_euclidean(graph: fx.Graph, rewrite: Rewrite, namespace: str, agreed: fx.Node) -> None:
+    """Replace one gradient collective by its stateless plan (a Linear weight on
+    ``euclidean_dtype``, another 2-D gradient on ``embedding_dtype``), counted under its name."""
+    found, plan = rewrite.found, rewrite.plan
     shape = tuple(found.collective.args[0].meta["val"].shape)
-    nbytes = bytes_sent(shape, world_size(found), wire, found.collective_type, config.all_gather_dtype)
+    nbytes = plan.bytes_sent(shape, world_size(found), found.collective_type)
     group = _resolve_process_group(found.group_name)
 
     def replacement(grad, ok):
         # grad * ok (ok = 1.0, exact for every value) orders this collective after the agreement
-        reduction = euclidean_reduce(grad * ok, op=found.op, group=group, wire=wire, collective=found.collective_type,
-                                     gather_dtype=config.all_gather_dtype)
-        record_euclidean_step(namespace, found.fqn, config.euclidean_dtype, reduction.stats, nbytes)
+        reduction = euclidean_reduce(grad * ok, op=found.op, group=group, wire=plan.wire, collective=found.collective_type,
+                                     gather_dtype=plan.gather_dtype)
+        record_euclidean_step(namespace, found.fqn, plan.path, reduction.stats, nbytes)
         return reduction.output
 
     _replace(graph, found, replacement, [found.collective.args[0], agreed])

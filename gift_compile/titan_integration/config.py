@@ -20,11 +20,6 @@ import tyro
 from gift_compile.config import GiftConfig, field_docs, normalize_keys
 
 INTEGRATION_FIELDS: dict[str, tuple[type, object, str]] = {
-    "embedding_dtype": (
-        Literal["fp8", "bf16", "fp32"], "fp8",
-        "(integration) Wire dtype of 2-D gradients that are not Linear weights (the token embedding). "
-        "Norm weights and other 1-D gradients always keep their fp32 collective.",
-    ),
     "layers_file": (
         str, "gift_layers.toml",
         "(integration) Where layers = auto writes the chosen layers: a file name inside the dump folder; "

@@ -13,10 +13,10 @@ its own collective, which is what ``gift_collectives_pass`` rewrites::
 graph and every later pass (dead-code elimination, memory policy, regional Inductor) sees the
 rewritten one. The pass:
 
-1. plans the rewrites of ``gift_collectives``: the session's selected layers (whitened FP8) and
-   Euclidean FP8 (``euclidean_dtype``) for the other Linear weight gradients;
-2. adds the remaining 2-D gradients (the token embedding) on the Euclidean path with
-   ``embedding_dtype``, and applies them all behind one agreement of the ranks;
+1. plans the rewrites of ``gift_collectives`` (``policy.plan``): the session's selected layers
+   whitened, the other Linear weight gradients on ``euclidean_dtype``, the other 2-D
+   gradients (the token embedding) on ``embedding_dtype``;
+2. applies them all behind one agreement of the ranks;
 3. records the bytes every gradient collective puts on the wire, for the metrics.
 
 With ``[gift] enabled = false`` the pipeline is exactly ``construct_default_graph_passes``.
@@ -24,7 +24,6 @@ With ``[gift] enabled = false`` the pipeline is exactly ``construct_default_grap
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from torch import fx
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.passes import gift_collectives as gc
-from gift_compile.passes.graph_utils import innermost_module
 from gift_compile.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -66,7 +64,6 @@ class PassContext:
     namespace: str
     config: GiftConfig
     selected: frozenset[str]
-    embedding_dtype: str
     accounting: GraphAccounting = field(default_factory=GraphAccounting)
 
 
@@ -116,39 +113,25 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
 
     rewrites = gc.plan_rewrites(graph, ctx.config, ctx.selected)
     for r in rewrites:
-        (accounting.rewritten_gift if r.kind == "gift" else accounting.rewritten_euclidean).append(r.found.fqn)
-
+        (accounting.rewritten_gift if r.plan.whitened else accounting.rewritten_euclidean).append(r.found.fqn)
+        accounting.numel[r.found.fqn] = int(r.found.collective.args[0].meta["val"].numel())
     done = {id(r.found.collective) for r in rewrites}
-    embedding_config = ctx.config.replace(euclidean_dtype=ctx.embedding_dtype)
     for g in found:
-        if id(g.collective) in done:
-            continue
-        val = g.collective.args[0].meta["val"]
-        if val.dim() == 2 and g.mm is None and ctx.embedding_dtype != "fp32":
-            name = g.fqn or _origin_name(g)
-            rewrites.append(gc.Rewrite(dataclasses.replace(g, fqn=name), "euclidean", embedding_config))
-            accounting.rewritten_euclidean.append(name)
-            accounting.numel[name] = int(val.numel())
-            continue
-        accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.collective_type)
+        if id(g.collective) not in done:
+            val = g.collective.args[0].meta["val"]
+            accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.collective_type)
     gc.apply_rewrites(graph, rewrites, ctx.config, namespace)
 
     graph.lint()
     gm.recompile()
     ctx.accounting = accounting
     log.info(
-        "GIFT pass: %d gradient collectives; whitened FP8: %d %s; Euclidean %s/%s: %d; unchanged: %d",
-        accounting.collectives, len(accounting.rewritten_gift), accounting.rewritten_gift,
-        ctx.config.euclidean_dtype, ctx.embedding_dtype, len(accounting.rewritten_euclidean),
+        "GIFT pass: %d gradient collectives; whitened %s: %d %s; Euclidean %s/%s: %d; unchanged: %d",
+        accounting.collectives, ctx.config.gift_dtype, len(accounting.rewritten_gift), accounting.rewritten_gift,
+        ctx.config.euclidean_dtype, ctx.config.embedding_dtype, len(accounting.rewritten_euclidean),
         accounting.collectives - len(accounting.rewritten_gift) - len(accounting.rewritten_euclidean),
     )
     return gm
-
-
-def _origin_name(g: gc.GradientCollective) -> str:
-    node = g.collective.args[0]
-    origin = innermost_module(node)
-    return origin[0] if origin is not None else node.name
 
 
 # graph_trainer passes that cannot run beside GIFT: a CUDA graph replays captured kernels

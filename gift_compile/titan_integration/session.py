@@ -64,8 +64,8 @@ class GraphRoute:
         if disabled:
             log.info("GIFT: graph passes %s disabled (a CUDA graph would skip the gift:: ops' per-step Python)", disabled)
 
-    def select(self, config: GiftConfig, chosen: list[str], embedding_dtype: str, *, retrace: bool) -> None:
-        set_pass_context(PassContext(NAMESPACE, config, frozenset(chosen), embedding_dtype))
+    def select(self, config: GiftConfig, chosen: list[str], *, retrace: bool) -> None:
+        set_pass_context(PassContext(NAMESPACE, config, frozenset(chosen)))
         if retrace:
             self.trainer._traced_step = None  # graph_trainer retraces and reruns the pass pipeline
 
@@ -80,13 +80,11 @@ class Fsdp2Route:
         self.model = trainer.model_parts[0]
         dims = trainer.parallel_dims
         replicas = dims.get_mesh("dp_replicate").get_group() if dims.dp_replicate_enabled else None
-        self.route = fsdp.install(self.model, runtime, NAMESPACE, embedding_dtype=section.embedding_dtype,
-                                  replicate_group=replicas, compile_codec=section.compile_codec)
+        self.route = fsdp.install(self.model, runtime, NAMESPACE, replicate_group=replicas, compile_codec=section.compile_codec)
         self._accounting = self._count()
 
-    def select(self, config: GiftConfig, chosen: list[str], embedding_dtype: str, *, retrace: bool) -> None:
-        self.route.euclidean_dtype = config.euclidean_dtype
-        self.route.select(self.model, chosen)
+    def select(self, config: GiftConfig, chosen: list[str], *, retrace: bool) -> None:
+        self.route.select(self.model, chosen, config)
 
     def _count(self) -> GraphAccounting:
         """What each parameter's reduce-scatter would send in fp32, and what stays dense (1-D)."""
@@ -124,7 +122,7 @@ class GiftSession:
         self.switched_at: int | None = None
         self.route = GraphRoute(trainer) if route == "graph" else Fsdp2Route(trainer, self.runtime, section)
         self._create_layer_states(self.chosen)
-        self.route.select(self._wire_config(), self.chosen, section.embedding_dtype, retrace=False)
+        self.route.select(self._wire_config(), self.chosen, retrace=False)
         if getattr(trainer.checkpointer, "enable", False):
             trainer.checkpointer.states[KEY] = GiftCheckpointState(self.runtime)
             explain_failed_loads(trainer.checkpointer, self.runtime)
@@ -172,7 +170,7 @@ class GiftSession:
             log.warning("GIFT auto: no Linear layer had an FP8 boundary hit; every layer stays Euclidean FP8")
         self._create_layer_states(self.chosen)
         self.runtime.counters.clear()
-        self.route.select(self._wire_config(), self.chosen, self.section.embedding_dtype, retrace=True)
+        self.route.select(self._wire_config(), self.chosen, retrace=True)
 
     # -- metrics ---------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
