@@ -47,8 +47,9 @@ for path in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(path))
 
 from fidelity import FULL, TYPE_ORDER, build_model, layer_type, linear_layers, loss_fn  # noqa: E402
-from gift_compile.collectives import WireFormat  # noqa: E402
-from gift_compile.comm import euclidean_reduce  # noqa: E402
+from gift_compile.collectives import WireFormat, bytes_sent  # noqa: E402
+from gift_compile.comm import euclidean_reduce, quantized_reduce  # noqa: E402
+from gift_compile.geometry import Whitening  # noqa: E402
 from gift_compile.config import GiftConfig  # noqa: E402
 from gift_compile.testing.text import TokenBatcher, load_token_ids, vocab_size  # noqa: E402
 from gift_compile.testing.ranks import run_on_ranks  # noqa: E402
@@ -62,16 +63,56 @@ WINDOW = 10
 
 @dataclass(frozen=True)
 class Codec:
-    """One way to reduce a Linear weight gradient: a config, whitened or not, and a collective."""
+    """One way to reduce a Linear weight gradient: a config, whitened or not (or rotated by a
+    fixed randomized Hadamard transform), and a collective."""
 
     name: str
     config: GiftConfig
     whitened: bool = True
     collective: str = "reduce_scatter"
+    hadamard: bool = False
+    """The data-independent baseline (SDP4Bit's): ``G R`` on the wire, ``R = D H`` along ``d_in``
+    (random signs times a block-diagonal Hadamard), ``R^T`` after the sum; no state."""
 
     @property
     def stateful(self) -> bool:
-        return self.whitened or self.config.euclidean_error_feedback
+        return not self.hadamard and (self.whitened or self.config.euclidean_error_feedback)
+
+    @property
+    def wire(self) -> WireFormat:
+        return WireFormat.gift(self.config) if self.whitened else WireFormat.euclidean(self.config)
+
+
+def hadamard_rotation(d: int, seed: int = 0) -> Whitening:
+    """``R = diag(signs) blockdiag(H_b)``, ``H_b`` the normalized Sylvester Hadamard matrix of the
+    largest power of two dividing ``d`` (768 = 3 x 256): orthogonal, the same on every rank."""
+    block = d & -d
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    rotation = signs[:, None] * torch.block_diag(*[h / block**0.5] * (d // block))
+    return Whitening("dense", {"T": rotation.contiguous(), "T_inv": rotation.T.contiguous()})
+
+
+def fp4_codecs() -> list[Codec]:
+    """FP8 and FP4 wires side by side: Euclidean, Hadamard-rotated and GIFT, at equal bytes per wire."""
+    fp8 = GiftConfig(layers=())
+    fp4 = fp8.replace(gift_dtype="fp4", euclidean_dtype="fp4")
+    return [
+        Codec("Euclidean FP8", fp8, whitened=False),
+        Codec("Euclidean FP8 + EF", fp8.replace(euclidean_error_feedback=True), whitened=False),
+        Codec("Hadamard FP8", fp8, whitened=False, hadamard=True),
+        Codec("GIFT FP8, no EF", fp8.replace(error_feedback=False)),
+        Codec("Euclidean FP4", fp4, whitened=False),
+        Codec("Euclidean FP4 + EF", fp4.replace(euclidean_error_feedback=True), whitened=False),
+        Codec("Hadamard FP4", fp4, whitened=False, hadamard=True),
+        Codec("GIFT FP4, no EF", fp4.replace(error_feedback=False)),
+        Codec("GIFT FP4", fp4),
+    ]
+
+
+CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs}
 
 
 def codecs() -> list[Codec]:
@@ -119,7 +160,7 @@ def owned_rows(rank: int, world: int, rows: int) -> slice:
     return slice(min(rank * c, rows), min((rank + 1) * c, rows))
 
 
-def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: float):
+def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: float, codec_set: str = "defaults"):
     torch.set_num_threads(1)
     settings = FULL
     ids = load_token_ids(setup.text, setup.tokenizer)
@@ -127,8 +168,9 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
     layers = linear_layers(model)
     batcher = TokenBatcher(ids, settings.seq_len, seed=1000 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    all_codecs = codecs()
+    all_codecs = CODEC_SETS[codec_set]()
     reducers = {c.name: GiftReducer(c.config) for c in all_codecs if c.stateful}
+    rotations = {fqn: hadamard_rotation(module.weight.shape[1]) for fqn, module in layers.items()}
     inputs: dict[str, torch.Tensor] = {}
     for fqn, module in layers.items():
         module.register_forward_hook(lambda m, args, out, fqn=fqn: inputs.__setitem__(fqn, args[0].detach().reshape(-1, args[0].shape[-1])))
@@ -156,8 +198,11 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
                 if codec.stateful:
                     outputs[fqn] = reducers[codec.name].reduce_layer(fqn, grads[fqn], inputs[fqn], collective=codec.collective,
                                                                      whitened=codec.whitened)
+                elif codec.hadamard:
+                    outputs[fqn] = quantized_reduce(grads[fqn], rotations[fqn], None, None, op="avg", group=None, wire=codec.wire,
+                                                    collective=codec.collective).output
                 else:
-                    outputs[fqn] = euclidean_reduce(grads[fqn], op="avg", group=None, wire=WireFormat.euclidean(codec.config),
+                    outputs[fqn] = euclidean_reduce(grads[fqn], op="avg", group=None, wire=codec.wire,
                                                     collective=codec.collective).output
             seconds[codec.name] += time.perf_counter() - t0
             for j, fqn in enumerate(names):
@@ -189,6 +234,8 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         if c.stateful:
             counters = reducers[c.name].runtime.counters.values()
             bytes_per_step[c.name] = sum((k.bytes_sent + k.stats_bytes) / k.steps for k in counters)
+        else:  # stateless: what the same wire sends for every layer
+            bytes_per_step[c.name] = sum(bytes_sent(tuple(m.weight.shape), world, c.wire, c.collective) for m in layers.values())
     fallbacks = {c.name: sum(k.fallbacks for k in reducers[c.name].runtime.counters.values()) for c in all_codecs if c.whitened}
     return {
         "codecs": [c.name for c in all_codecs], "collectives": [c.collective for c in all_codecs], "layers": names,
@@ -206,10 +253,13 @@ def mean(values) -> float:
 def summarize(result: dict, first_step: int) -> tuple[list[str], list[list]]:
     codecs_, layers = result["codecs"], result["layers"]
     errors = result["step_errors"]  # (steps, codecs, layers)
-    baseline = {"reduce_scatter": codecs_.index("Euclidean FP8"), "all_reduce": codecs_.index("all-reduce: Euclidean FP8")}
+    baseline = {c: codecs_.index(n) for c, n in (("reduce_scatter", "Euclidean FP8"), ("all_reduce", "all-reduce: Euclidean FP8"))
+                if n in codecs_}
     baseline_ef = codecs_.index("Euclidean FP8 + EF")
     types = [layer_type(fqn) for fqn in layers]
-    headers = ["codec", "mean", "attention (selected)", *TYPE_ORDER, "worst selected 10-step window", "accumulated vs FP8+EF (mean / worst selected)",
+    selected = [j for j in range(len(layers)) if types[j] in SELECTED_TYPES]
+    headers = ["codec", "mean", "attention (selected)", *TYPE_ORDER, "worst selected 10-step window",
+               "accumulated vs FP8+EF (mean / worst selected)", "selected vs Euclidean on its wire (one-step / accumulated vs its EF)",
                "eager s/step", "KiB/step/rank"]
     rows = []
     for i, name in enumerate(codecs_):
@@ -217,18 +267,29 @@ def summarize(result: dict, first_step: int) -> tuple[list[str], list[list]]:
         ratio = errors[first_step:, i, :] / errors[first_step:, base, :]  # (steps, layers), per step
         per_layer = ratio.mean(dim=0)
         by_type = {t: mean(per_layer[j].item() for j in range(len(layers)) if types[j] == t) for t in TYPE_ORDER}
-        selected = [j for j in range(len(layers)) if types[j] in SELECTED_TYPES]
         windows = ratio[: ratio.shape[0] // WINDOW * WINDOW].reshape(-1, WINDOW, len(layers)).mean(dim=1)
         worst_window = windows[:, selected].max().item() if windows.numel() else float("nan")
         acc = result["accumulated"][i] / result["accumulated"][baseline_ef]
-        kib = result["bytes"].get(name)
         rows.append([
             name, f"{per_layer.mean():.3f}", f"{mean(per_layer[j].item() for j in selected):.3f}",
             *[f"{by_type[t]:.2f}" for t in TYPE_ORDER], f"{worst_window:.2f}",
-            f"{acc.mean():.2f} / {acc[selected].max():.2f}", f"{result['seconds'][name]:.3f}",
-            "-" if kib is None else f"{kib / 1024:.0f}",
+            f"{acc.mean():.2f} / {acc[selected].max():.2f}", same_wire_ratios(result, i, selected, first_step),
+            f"{result['seconds'][name]:.3f}", "-" if result["bytes"].get(name) is None else f"{result['bytes'][name] / 1024:.0f}",
         ])
     return headers, rows
+
+
+def same_wire_ratios(result: dict, i: int, selected: list[int], first_step: int) -> str:
+    """A codec's error over Euclidean on its own wire (FP4 codecs against Euclidean FP4), selected layers."""
+    codecs_, name = result["codecs"], result["codecs"][i]
+    wire = "FP4" if "FP4" in name else "FP8"
+    base, base_ef = f"Euclidean {wire}", f"Euclidean {wire} + EF"
+    if base not in codecs_ or base_ef not in codecs_ or result["collectives"][i] != "reduce_scatter":
+        return "-"
+    errors = result["step_errors"][first_step:]
+    one_step = (errors[:, i, selected] / errors[:, codecs_.index(base), selected]).mean().item()
+    accumulated = (result["accumulated"][i, selected] / result["accumulated"][codecs_.index(base_ef), selected]).mean().item()
+    return f"{one_step:.2f} / {accumulated:.2f}"
 
 
 def plot(results: dict[str, dict], first_step: int, out: Path) -> None:
@@ -242,7 +303,9 @@ def plot(results: dict[str, dict], first_step: int, out: Path) -> None:
         errors = result["step_errors"]
         base = result["codecs"].index("Euclidean FP8")
         selected = [j for j, fqn in enumerate(result["layers"]) if layer_type(fqn) in SELECTED_TYPES]
-        for name in ("Euclidean FP8 + EF", "GIFT defaults", "GIFT defaults, no EF", "GIFT periodic K=10 (previous defaults)"):
+        shown = ("Euclidean FP8 + EF", "GIFT defaults", "GIFT defaults, no EF", "GIFT periodic K=10 (previous defaults)",
+                 "Euclidean FP4", "Hadamard FP4", "GIFT FP4, no EF", "GIFT FP4")
+        for name in (n for n in shown if n in result["codecs"]):
             i = result["codecs"].index(name)
             ratio = (errors[:, i, selected] / errors[:, base, selected]).mean(dim=1)
             width = min(WINDOW, len(ratio))
@@ -267,6 +330,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--quick", action="store_true", help="WikiText-2 only, 60 steps")
+    parser.add_argument("--codecs", choices=list(CODEC_SETS), default="defaults",
+                        help="defaults: FP8 codecs and GIFT's settings; fp4: FP8 and FP4 wires, Euclidean / Hadamard / GIFT "
+                             "(writes fidelity_loop_fp4.md)")
     args = parser.parse_args()
     if args.quick:
         args.setups, args.steps = ["wikitext"], 60
@@ -275,9 +341,10 @@ def main() -> None:
     results, lines = {}, []
     for name in args.setups:
         setup = all_setups[name]
-        print(f"{setup.description}: {args.world} ranks x {args.tokens} tokens, {args.steps} steps, {len(codecs())} codecs ...", flush=True)
+        print(f"{setup.description}: {args.world} ranks x {args.tokens} tokens, {args.steps} steps, "
+              f"{len(CODEC_SETS[args.codecs]())} codecs ...", flush=True)
         started = time.time()
-        results[name] = run_on_ranks(run_rank, args.world, setup, args.steps, args.tokens, args.lr, timeout=6 * 3600)[0]
+        results[name] = run_on_ranks(run_rank, args.world, setup, args.steps, args.tokens, args.lr, args.codecs, timeout=6 * 3600)[0]
         headers, rows = summarize(results[name], first_step)
         table = tabulate(rows, headers=headers, tablefmt="github")
         fallbacks = ", ".join(f"{k}: {v}" for k, v in results[name]["fallbacks"].items() if v)
@@ -288,9 +355,11 @@ def main() -> None:
                   f"Fallbacks taken: {fallbacks or 'none'}.", ""]
         print("\n" + table + f"\nfallbacks: {fallbacks or 'none'}\n", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fidelity_loop.md").write_text("# In-loop fidelity (`python benchmarks/fidelity_loop.py`)\n\n" + "\n".join(lines))
-    plot(results, first_step, RESULTS / "fidelity_loop.png")
-    print(f"wrote {RESULTS / 'fidelity_loop.md'} and fidelity_loop.png")
+    stem = "fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}"
+    command = "python benchmarks/fidelity_loop.py" + ("" if args.codecs == "defaults" else f" --codecs {args.codecs}")
+    (RESULTS / f"{stem}.md").write_text(f"# In-loop fidelity (`{command}`)\n\n" + "\n".join(lines))
+    plot(results, first_step, RESULTS / f"{stem}.png")
+    print(f"wrote {RESULTS / stem}.md and {stem}.png")
 
 
 if __name__ == "__main__":

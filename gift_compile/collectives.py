@@ -180,6 +180,14 @@ def message_bytes(lay: Layout, wire: WireFormat) -> int:
     return lay.chunk_numel + _SCALE_BYTES * (1 if wire.scaling == "tensor" else lay.blocks_per_chunk)
 
 
+def round_trip(x: torch.Tensor, wire: WireFormat) -> torch.Tensor:
+    """What ``x`` (2-D) decodes to after one sender's encoding on a quantized ``wire`` (no
+    communication): the one-step error the live meter compares GIFT with."""
+    lay = layout(x.shape, 1, wire)
+    _, sent, _ = _encode(_chunked(x, lay), lay, wire, None)
+    return _unchunk(sent, lay, x.shape).to(x.dtype)
+
+
 class QuantizedReduction(NamedTuple):
     reduced: torch.Tensor
     """fp32: this rank's reduced rows ``(shard_rows, *x.shape[1:])`` (reduce-scatter) or the whole

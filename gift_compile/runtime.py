@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from gift_compile import policy
 from gift_compile.agreement import agree
+from gift_compile.collectives import WireFormat, round_trip
 from gift_compile.comm import Reduction
 from gift_compile.config import GiftConfig
 from gift_compile.counters import LayerCounters, counters_table
-from gift_compile.numerics import fp8_round_trip
 from gift_compile.state import GiftLayerState, GiftState
 
 log = logging.getLogger(__name__)
@@ -119,11 +119,12 @@ class GiftRuntime:
         return self.state.layer(fqn)
 
     def meter(self, fqn: str, grad: torch.Tensor) -> None:
-        """On a meter step, a shadow Euclidean FP8 round trip of this rank's gradient (no communication)."""
+        """On a meter step, a shadow Euclidean round trip of this rank's gradient on the whitened
+        layers' own wire (FP8 or FP4, no communication)."""
         layer = self.state.layer(fqn)
         if layer.meter_due():
             g = grad.detach().float()
-            error = g - fp8_round_trip(g, self.config.fp8_format, self.config.scaling, self.config.scale_block_rows)
+            error = g - round_trip(g, WireFormat.gift(self.config))
             layer.hold_meter(error.square().sum(), g.square().sum())
 
     def end_step(

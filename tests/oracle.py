@@ -9,7 +9,8 @@ formulation, the oracle takes the other one, so agreement checks the derivation:
   gradient's coordinates);
 * ``T`` is a dense ``d x d`` matrix built from an explicitly formed ``A`` (the library never
   forms ``A`` for current-step factors and applies ``T`` in low-rank form);
-* FP8 e4m3 rounding is written out from the format's definition (the library casts).
+* FP8 e4m3 and FP4 E2M1 rounding are written out from the formats' definitions (the library
+  casts FP8, and rounds FP4 arithmetically on a different formula).
 
 Every rank's data is visible here (``grads[r]``, ``inputs[r]``), so the reduction is a plain
 sum over a Python list.
@@ -117,7 +118,8 @@ class OracleLayer:
     factor_source: str = "current_step"  # or "periodic"
     refresh_interval: int = 10
     ema_decay: float = 0.5
-    collective: str = "reduce_scatter"  # or "all_reduce" (FP8 all-gather with owner error feedback)
+    collective: str = "reduce_scatter"  # or "all_reduce" (an all-gather on the wire with owner error feedback)
+    wire: str = "e4m3"  # or "nvfp4" / "mxfp4"
     step: int = 0
     basis: torch.Tensor | None = None
     moment: torch.Tensor | None = None
@@ -133,6 +135,10 @@ class OracleLayer:
         self.residuals = [torch.zeros(self.d_out, self.d_in, dtype=torch.float64) for _ in range(self.world)]
         self.gather_residuals = [torch.zeros(self.d_out, self.d_in, dtype=torch.float64)[rows_of(k, self.world, self.d_out)]
                                  for k in range(self.world)]
+
+    def quantize(self, v: torch.Tensor) -> torch.Tensor:
+        """One sender's round trip on the wire: per-tensor e4m3, or FP4 with its block scales."""
+        return quantize(v) if self.wire == "e4m3" else fp4_round_trip(v, self.wire)
 
     def _new_transform(self, inputs: list[torch.Tensor]) -> None:
         rows = [x.double().reshape(-1, self.d_in) for x in inputs]
@@ -164,7 +170,7 @@ class OracleLayer:
         decoded = []
         for r, g in enumerate(grads):
             sent = g.double() @ self.t + (self.residuals[r] if self.error_feedback else 0)
-            decoded_r = quantize(sent)
+            decoded_r = self.quantize(sent)
             if self.error_feedback:
                 self.residuals[r] = sent - decoded_r
             decoded.append(decoded_r)
@@ -174,7 +180,7 @@ class OracleLayer:
             for k in range(self.world):
                 rows = rows_of(k, self.world, self.d_out)
                 shard = reduced[rows] + (self.gather_residuals[k] if self.error_feedback else 0)
-                decoded_shard = quantize(shard) if shard.numel() else shard
+                decoded_shard = self.quantize(shard) if shard.numel() else shard
                 if self.error_feedback:
                     self.gather_residuals[k] = shard - decoded_shard
                 shards.append(decoded_shard)

@@ -62,9 +62,10 @@ def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
 
     torch._dynamo.reset()
     dynamo_counters.clear()
-    euclidean_error_feedback = euclidean == "fp8+ef"
-    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_dtype=euclidean.removesuffix("+ef"),
-                        euclidean_error_feedback=euclidean_error_feedback)
+    euclidean_error_feedback = euclidean.endswith("+ef")
+    wire = euclidean.removesuffix("+ef")
+    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_dtype=wire, euclidean_error_feedback=euclidean_error_feedback,
+                        gift_dtype="fp4" if wire == "fp4" else "fp8", embedding_dtype="fp4" if wire == "fp4" else "fp8")
     model, replica, runtime = sharded_mixed(world, config, f"fsdp-{world}-{reduce_dtype}-{euclidean}", reduce_dtype)
 
     reference = GiftReducer(config)
@@ -86,7 +87,7 @@ def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
                                               collective="reduce_scatter", whitened=layer == "up")
             else:
                 dense = WireFormat("bf16" if reduce_dtype == torch.bfloat16 else "fp32")
-                wire = WireFormat(config.euclidean_dtype if name == "down.weight" else "fp8") if local.dim() == 2 else dense
+                wire = WireFormat(config.euclidean_dtype if name == "down.weight" else config.embedding_dtype) if local.dim() == 2 else dense
                 want = euclidean_reduce(local, op="avg", group=None, wire=wire, collective="reduce_scatter").output
             got = param.grad.to_local()
             want = want[: got.shape[0]].to(got.dtype)
@@ -101,7 +102,8 @@ def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
 
 @pytest.mark.parametrize(
     "world, reduce_dtype, euclidean",
-    [(2, torch.float32, "fp8"), (3, torch.float32, "fp8"), (2, torch.bfloat16, "fp8"), (2, torch.float32, "fp8+ef"), (2, torch.float32, "fp32")],
+    [(2, torch.float32, "fp8"), (3, torch.float32, "fp8"), (2, torch.bfloat16, "fp8"), (2, torch.float32, "fp8+ef"), (2, torch.float32, "fp32"),
+     (2, torch.float32, "fp4+ef")],
 )
 def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype, euclidean):
     # FSDP runs the codec compiled (Inductor), the reference eagerly: the same arithmetic, so
@@ -115,8 +117,9 @@ def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype, e
         limit = 1e-2 if reduce_dtype == torch.bfloat16 else 1e-6
         assert worst["up.bias"] < limit and worst["norm.weight"] < limit and worst["norm.bias"] < limit
         assert worst["down.weight"] < limit if euclidean == "fp32" else worst["down.weight"] == 0.0  # FP8: bit for bit (+ef: a state)
-        assert counters["up"]["path"] == "gift" and counters["up"]["steps"] == 4 and counters["up"]["stats_bytes"] > 0
-        assert counters["down"]["path"] == euclidean and counters["embed"]["path"] == "fp8"
+        fp4 = euclidean.startswith("fp4")  # then every 2-D wire is FP4
+        assert counters["up"]["path"] == ("gift-fp4" if fp4 else "gift") and counters["up"]["steps"] == 4 and counters["up"]["stats_bytes"] > 0
+        assert counters["down"]["path"] == euclidean and counters["embed"]["path"] == ("fp4" if fp4 else "fp8")
         assert counters["down"]["bytes_sent"] > 0  # every wire is counted, fp32 too (the bytes metrics)
         assert counters["up"]["error_vs_fp8"] is not None
 
@@ -187,7 +190,7 @@ def test_statistics_hook_traces_into_compiled_blocks_without_recompiling(ranks):
         assert steps["0.up"] == steps["1.up"] == 4  # each step found its forward statistics
 
 
-def hsdp_steps(rank, world, steps=3):
+def hsdp_steps(rank, world, wire, steps=3):
     # HSDP on a 2 x 2 mesh: fully_shard over the shard dimension, GIFT's all-reduce hook over
     # the replicas (gift_compile.fsdp). Returns per-parameter errors, whether the replicas agree
     # and the counters. The codec runs eagerly: compiled, it equals the eager one bit for bit
@@ -200,14 +203,15 @@ def hsdp_steps(rank, world, steps=3):
     torch.manual_seed(0)
     model = Mixed()
     replica = copy.deepcopy(model)
-    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_error_feedback=False)
+    config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_error_feedback=False, gift_dtype=wire,
+                        euclidean_dtype=wire, embedding_dtype=wire)
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     shard_group, replicate_group = mesh["shard"].get_group(), mesh["replicate"].get_group()
     for name in ("embed", "up", "down", "norm"):
         fully_shard(getattr(model, name), mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
-    runtime = register_runtime("fsdp-hsdp", config)
-    install(model, runtime, "fsdp-hsdp", {"up"}, replicate_group=replicate_group, compile_codec=False)
+    runtime = register_runtime(f"fsdp-hsdp-{wire}", config)
+    install(model, runtime, f"fsdp-hsdp-{wire}", {"up"}, replicate_group=replicate_group, compile_codec=False)
 
     reference = GiftReducer(config, group=shard_group)
     inputs = {}
@@ -224,9 +228,9 @@ def hsdp_steps(rank, world, steps=3):
             if name == "up.weight":
                 shard = reference.reduce_layer("up", local, inputs["up"].reshape(-1, 24), op="avg", collective="reduce_scatter")
             else:
-                wire = WireFormat("fp8" if local.dim() == 2 else "fp32")
-                shard = euclidean_reduce(local, op="avg", group=shard_group, wire=wire, collective="reduce_scatter").output
-            want = euclidean_reduce(shard, op="avg", group=replicate_group, wire=WireFormat("fp8" if local.dim() == 2 else "fp32"),
+                shard = euclidean_reduce(local, op="avg", group=shard_group, wire=WireFormat(wire if local.dim() == 2 else "fp32"),
+                                         collective="reduce_scatter").output
+            want = euclidean_reduce(shard, op="avg", group=replicate_group, wire=WireFormat(wire if local.dim() == 2 else "fp32"),
                                     collective="all_reduce").output[: got.shape[0]]
             library[name] = max(library.get(name, 0.0), ((got - want).norm() / want.norm()).item())
             # Independent: the fp32 mean of all four ranks' gradients, this rank's rows.
@@ -244,8 +248,9 @@ def hsdp_steps(rank, world, steps=3):
     return library, exact, replicas_equal, counters
 
 
-def test_hsdp_all_reduces_the_replicas_in_fp8(ranks):
-    for library, exact, replicas_equal, counters in ranks(4).run(hsdp_steps):
+@pytest.mark.parametrize("wire", ["fp8", "fp4"])
+def test_hsdp_all_reduces_the_replicas_on_the_wire(ranks, wire):
+    for library, exact, replicas_equal, counters in ranks(4).run(hsdp_steps, wire):
         assert replicas_equal
         # The hook is the library's own reduce-scatter then all-reduce, compiled vs eager: the
         # same arithmetic, bit for bit (1-D: gloo's fp32 sums, rounding only).
@@ -254,11 +259,13 @@ def test_hsdp_all_reduces_the_replicas_in_fp8(ranks):
         # Against the exact fp32 mean: 1-D parameters travel in fp32 (rounding only); 2-D ones go
         # through three e4m3 roundings (reduce-scatter, the replicas' reduce-scatter, the owner's
         # all-gather), each at most 2^-4 of an element's magnitude, so under 3 * 2^-4 in norm.
+        # (FP4's numerics against its definition: test_oracle.py / test_fp4.py.)
         assert max(exact[n] for n in ("up.bias", "norm.weight", "norm.bias")) < 1e-6, exact
-        assert max(exact[n] for n in ("up.weight", "down.weight", "embed.weight")) < 3 * 2**-4, exact
-        assert counters["up"]["path"] == "gift" and counters["up"]["steps"] == 3
-        for fqn in ("up", "down", "embed"):  # the replicate dimension: FP8, counted on its own row
-            assert counters[f"{fqn}@replicate"]["path"] == "fp8" and counters[f"{fqn}@replicate"]["bytes_sent"] > 0
+        if wire == "fp8":
+            assert max(exact[n] for n in ("up.weight", "down.weight", "embed.weight")) < 3 * 2**-4, exact
+        assert counters["up"]["path"] == ("gift" if wire == "fp8" else "gift-fp4") and counters["up"]["steps"] == 3
+        for fqn in ("up", "down", "embed"):  # the replicate dimension: the same wire, counted on its own row
+            assert counters[f"{fqn}@replicate"]["path"] == wire and counters[f"{fqn}@replicate"]["bytes_sent"] > 0
 
 
 def native_hsdp(rank, world):

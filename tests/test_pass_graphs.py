@@ -109,6 +109,35 @@ fc1       all_to_all_single(GROUP) uint8[520] -> wait
 fc1       all_gather_into_tensor(GROUP) uint8[1, 260] -> wait
 fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
 
+    def test_fp4_wire_sends_half_of_fp8s_bytes(self):
+        # gift_dtype = euclidean_dtype = "fp4" (NVFP4): the same ops as FP8 (compare the MLP
+        # snapshot above), with messages of 4 bits a value plus a block scale byte per 16 values
+        # and the sender's fp32 scale: fc2's 4 x 32 chunk is 64 + 8 + 4 = 76 bytes (FP8: 132).
+        torch.manual_seed(0)
+        config = GiftConfig(layers=("fc2",), low_rank=4, gift_dtype="fp4", euclidean_dtype="fp4")
+        _, after = backward_before_and_after(replicate(MLP()), config, "snap_fp4", {"fc2"}, torch.randn(4, 16))
+        self.assertExpectedInline(render_gift_graph(after), """\
+*         gift::agree(NS, GROUP, description=...)
+fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
+fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
+fc2       gift::input_sketch(max_tokens=8192)
+fc2       all_reduce(sum, GROUP) float32[130]
+fc2       mm -> grad float32[8, 32]
+fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
+fc2       wait_tensor(all_reduce)
+fc2       gift::whitening_from_sketch(damping=1.0)
+fc2       gift::meter(NS, fc2)
+fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
+fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
+fc2       all_to_all_single(GROUP) uint8[152] -> wait
+fc2       all_gather_into_tensor(GROUP) uint8[1, 76] -> wait
+fc2       gift::end_step(NS, fc2, GROUP, bytes_sent=152, stats_bytes=520)
+fc1       mm -> grad float32[32, 16]
+fc1.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
+fc1       all_to_all_single(GROUP) uint8[296] -> wait
+fc1       all_gather_into_tensor(GROUP) uint8[1, 148] -> wait
+fc1       gift::record_euclidean(NS, fc1, path=fp4, bytes_sent=296)""")
+
     def test_periodic_factors_are_loaded_not_computed(self):
         # factor_source="periodic": the factors come from the state (load_factors); no sketch,
         # no statistics all_reduce, no whitening_from_sketch, no next basis for end_step.

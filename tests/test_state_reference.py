@@ -2,6 +2,7 @@
 
 import math
 
+import oracle
 import pytest
 import torch
 from torch import nn
@@ -132,16 +133,20 @@ def metered_steps(rank, world, config):
         counters = reducer.runtime.counters["fc"].as_dict()
         readings.append(counters["error_vs_fp8"])
         # What the meter must have measured, recomputed here: GIFT's round-trip error in the
-        # gradient's coordinates is the new residual; Euclidean FP8's is G - deq(Q(G)).
+        # gradient's coordinates is the new residual; Euclidean FP8's is G - deq(Q(G)) (FP4:
+        # the same round trip on FP4, from the oracle's definition of the format).
         new_residual = reducer.state.layer("fc").residual
-        fp8_error = grad - fp8_round_trip(grad, "e4m3")
+        shadow = fp8_round_trip(grad, "e4m3") if config.gift_dtype == "fp8" else oracle.fp4_round_trip(grad, config.fp4_format).float()
+        fp8_error = grad - shadow
         expected.append([new_residual.double().square().sum(), (grad + residual).double().square().sum(),
                          fp8_error.double().square().sum(), grad.double().square().sum()])
     return readings, expected
 
 
-def test_meter_reports_gift_error_over_fp8_error_summed_over_ranks(ranks):
-    config = CONFIG.replace(meter_interval=5)
+@pytest.mark.parametrize("wire", ["fp8", "fp4"])
+def test_meter_reports_gift_error_over_euclidean_error_summed_over_ranks(ranks, wire):
+    # An FP4 layer is compared with Euclidean FP4 (what its fallback sends), an FP8 one with FP8.
+    config = CONFIG.replace(meter_interval=5, gift_dtype=wire)
     (readings0, sums0), (readings1, sums1) = ranks(2).run(metered_steps, config)
     assert readings0 == readings1  # one verdict on every rank
     for step in range(12):
