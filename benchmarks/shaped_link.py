@@ -56,7 +56,10 @@ VARIANTS = {
     "bf16": ["--gift.layers=", "--gift.euclidean_dtype", "bf16", "--gift.embedding_dtype", "bf16"],
     "fp8": ["--gift.layers="],
     "gift": [],
+    "fp4": ["--gift.layers=", "--gift.euclidean_dtype", "fp4", "--gift.embedding_dtype", "fp4"],
+    "gift_fp4": ["--gift.gift_dtype", "fp4", "--gift.euclidean_dtype", "fp4", "--gift.embedding_dtype", "fp4"],
 }
+DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]
 
 
 def missing_requirements() -> list[str]:
@@ -271,10 +274,11 @@ def plot(results: list[Result], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = sorted({r.mode for r in results})
+    variants = list(dict.fromkeys(r.variant for r in results))
     fig, axes = plt.subplots(2, len(modes), figsize=(6 * len(modes), 8), squeeze=False)
     for col, mode in enumerate(modes):
         ax = axes[0][col]
-        for variant in VARIANTS:
+        for variant in variants:
             runs = [r for r in results if r.mode == mode and r.variant == variant]
             xs = [float(r.rate) if r.rate != "unshaped" else 10000.0 for r in runs]
             ax.plot(xs, [r.tokens_s for r in runs], marker="o", label=variant)
@@ -286,7 +290,7 @@ def plot(results: list[Result], out: Path) -> None:
         ax = axes[1][col]
         shaped = [r for r in results if r.mode == mode and r.rate != "unshaped"] or [r for r in results if r.mode == mode]
         slowest = min(shaped, key=lambda r: float(r.rate) if r.rate != "unshaped" else float("inf"))
-        for variant in VARIANTS:
+        for variant in variants:
             run = find(results, mode, slowest.rate, variant)
             if run is None:
                 continue
@@ -304,7 +308,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=["50", "200", "1000", "unshaped"], help="link rates in Mbit/s, or 'unshaped'")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on each end (ms)")
     parser.add_argument("--render", type=Path, help="re-render the table and plots from a saved shaped_link.json")

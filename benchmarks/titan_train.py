@@ -18,9 +18,11 @@ and differing only in how gradients travel:
 - fp32:  [gift] enabled with every path fp32 (the pass changes nothing, it only counts bytes)
 - bf16:  every weight gradient reduced in bf16
 - fp8:   Euclidean FP8 (per-tensor scale) for every weight gradient, no whitening
-- gift:  GIFT with the defaults: attention projections whitened (current-step factors, rank
-         32, error feedback), the rest Euclidean FP8
+- gift:  GIFT: attention projections whitened (current-step factors, rank 32, error
+         feedback), the rest Euclidean FP8
 - gift_w2: GIFT with the paper's choice, the `w2` layers whitened
+- fp4:   Euclidean FP4 (NVFP4: E2M1, an E4M3 scale per 16 values) for every weight gradient
+- gift_fp4: GIFT on FP4: attention projections whitened, every wire FP4
 
 Prints a table (final train loss = mean of the last 10 steps, validation loss / perplexity at
 the end, tokens/s, gradient bytes per step per rank and the statistics' bytes, peak RSS of
@@ -52,7 +54,10 @@ VARIANTS = {
     "fp8": ["--gift.layers", "", "--gift.euclidean_dtype", "fp8", "--gift.embedding_dtype", "fp8"],
     "gift": ["--gift.layers", "wqkv,wo"],
     "gift_w2": ["--gift.layers", "w2"],
+    "fp4": ["--gift.layers", "", "--gift.euclidean_dtype", "fp4", "--gift.embedding_dtype", "fp4"],
+    "gift_fp4": ["--gift.layers", "wqkv,wo", "--gift.gift_dtype", "fp4", "--gift.euclidean_dtype", "fp4", "--gift.embedding_dtype", "fp4"],
 }
+DEFAULT_VARIANTS = "fp32,bf16,fp8,gift,gift_w2"
 # name -> (config, ranks, extra flags)
 TRAINERS = {
     "graph": ("llama3_debug", 2, []),
@@ -78,8 +83,10 @@ def tokens_per_second(run: JobResult, tokens_per_step: int) -> float:
     return tokens_per_step / statistics.median(deltas) if deltas else float("nan")
 
 
-def summarize(name: str, run: JobResult, tokens_per_step: int) -> list:
+def summarize(name: str, run: JobResult, tokens_per_step: int, fp32: JobResult | None) -> list:
     losses = run.losses()
+    # the same seed and data in every run: step by step, the difference is the codec's alone
+    gap = statistics.fmean(a - b for a, b in zip(losses, fp32.losses())) if fp32 is not None else None
     val = run.last("validation_loss")
     fp32_bytes = run.last("gift/bytes_per_step_fp32")
     sent = run.last("gift/bytes_per_step")
@@ -88,11 +95,13 @@ def summarize(name: str, run: JobResult, tokens_per_step: int) -> list:
         *name,
         len(losses),
         f"{statistics.fmean(losses[-10:]):.4f}",
+        None if gap is None else f"{gap:+.5f}",
         None if val is None else f"{val:.4f}",
         None if val is None else f"{math.exp(val):.1f}",
         f"{tokens_per_second(run, tokens_per_step):.0f}",
         f"{sent / 2**20:.3f}",
         f"{sent / fp32_bytes:.3f}",
+        f"{run.last('gift/linear_bytes_ratio_vs_fp32'):.4f}",
         f"{stats / 2**20:.3f}",
         f"{run.last('max_rss_mib'):.0f}",
     ]
@@ -102,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--val-steps", type=int, default=20)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"of {','.join(VARIANTS)}")
     parser.add_argument("--trainers", default="graph,standard")
     parser.add_argument("--results", default="titan_train", help="file stem under benchmarks/results/")
     parser.add_argument("--out", default=str(ROOT / "outputs" / "titan_bench"))
@@ -114,15 +123,18 @@ def main() -> None:
         config, ranks, extra = TRAINERS[trainer]
         tokens_per_step = ranks * 2 * 256  # ranks x local batch x seq_len (the job's defaults)
         world.add(ranks)
+        fp32 = None
         for name in args.variants.split(","):
             print(f"== {trainer} / {name}: {args.steps} steps", flush=True)
             flags = ["--launch.config", config, *extra, *common_flags(args.steps, args.val_steps), *VARIANTS[name]]
             run = run_job(JOB, Path(args.out) / f"{trainer}-{name}", *flags).check()
-            rows.append(summarize((trainer, name), run, tokens_per_step))
+            rows.append(summarize((trainer, name), run, tokens_per_step, fp32))
+            fp32 = run if name == "fp32" else fp32
             curves[f"{trainer}/{name}"] = run.series("loss")
             print(f"   {run.wall_s:.0f} s", flush=True)
-    headers = ["trainer", "gradients", "steps", "train loss (last 10)", "val loss", "val ppl", "tokens/s",
-               "grad MiB/step/rank", "bytes vs fp32", "statistics MiB/step/rank", "peak RSS MiB (rank 0)"]
+    headers = ["trainer", "gradients", "steps", "train loss (last 10)", "paired loss gap vs fp32 (mean over steps)", "val loss",
+               "val ppl", "tokens/s", "grad MiB/step/rank", "bytes vs fp32", "Linear weights' bytes vs fp32",
+               "statistics MiB/step/rank", "peak RSS MiB (rank 0)"]
     table = tabulate(rows, headers=headers)
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,8 @@ class GraphAccounting:
 
     fp32_bytes: int = 0
     """What every gradient collective of the graph would send in fp32 (the baseline)."""
+    linear_fp32_bytes: int = 0
+    """The same for the Linear weight gradients alone."""
     untouched_bytes: int = 0
     """What the collectives the pass left alone send (norm weights, fp32 paths)."""
     collectives: int = 0
@@ -107,7 +109,9 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         )
     for g in found:
         shape = tuple(g.collective.args[0].meta["val"].shape)
-        accounting.fp32_bytes += bytes_sent(shape, gc.world_size(g), WireFormat("fp32"), g.collective_type)
+        fp32 = bytes_sent(shape, gc.world_size(g), WireFormat("fp32"), g.collective_type)
+        accounting.fp32_bytes += fp32
+        accounting.linear_fp32_bytes += fp32 if g.fqn is not None else 0
         if g.fqn is not None:
             accounting.numel[g.fqn] = int(torch.Size(shape).numel())
 

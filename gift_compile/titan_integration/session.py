@@ -96,6 +96,7 @@ class Fsdp2Route:
             if replicas > 1:  # HSDP: then the shard's all-reduce across the replicas
                 nbytes += bytes_sent((segment.shard_rows, segment.cols), replicas, fp32, "all_reduce")
             accounting.fp32_bytes += nbytes
+            accounting.linear_fp32_bytes += nbytes if segment.layer is not None else 0
             if len(segment.shape) == 1:
                 accounting.untouched_bytes += nbytes  # torchtitan reduces in fp32
             else:
@@ -185,6 +186,10 @@ class GiftSession:
         out["gift/bytes_ratio_vs_fp32"] = total / accounting.fp32_bytes if accounting.fp32_bytes else None
         out["gift/stats_bytes_per_step"] = stats
         out["gift/total_bytes_ratio_vs_fp32"] = (total + stats) / accounting.fp32_bytes if accounting.fp32_bytes else None
+        linear = set(accounting.linear_candidates)
+        linear_bytes = sum(c.bytes_sent / c.steps for key, c in self.runtime.counters.items()
+                           if c.steps and key.partition("@")[0].partition("#")[0] in linear)
+        out["gift/linear_bytes_ratio_vs_fp32"] = linear_bytes / accounting.linear_fp32_bytes if accounting.linear_fp32_bytes else None
         out["gift/layers"] = len(self.chosen)
         out["gift/refreshes"] = sum(c.refreshes for c in self.runtime.counters.values())
         readings = [c.error_vs_fp8 for c in self.runtime.counters.values() if c.error_vs_fp8 is not None]
