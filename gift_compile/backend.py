@@ -40,6 +40,7 @@ from gift_compile.package_graph import source_files
 from gift_compile.passes.compiled_autograd import LinearWeight, output_fqns, remember_linear_weights, tag_outputs
 from gift_compile.passes.gift_collectives import find_gradient_collectives, gift_collectives_pass
 from gift_compile.passes.graph_utils import is_linear_type, module_fqn
+from gift_compile.passes.overlap import overlap_gradient_collectives
 from gift_compile.runtime import GiftRuntime, is_registered, new_runtime
 from gift_compile.selection import check_patterns, linear_weight_shapes, matching
 
@@ -83,6 +84,8 @@ class GiftGraphPass(CustomGraphPass):
             )
             return
         gift_collectives_pass(graph, self.config, self.namespace, self.selected)
+        if self.config.overlap:
+            overlap_gradient_collectives(graph)
 
     def uuid(self) -> bytes:
         digest = hashlib.sha256(get_hash_for_files(_PASS_FILES))

@@ -107,6 +107,11 @@ class GiftConfig:
     sends the shards in bf16 (FP8 layers: 0.375x fp32's bytes) and adds almost no error.
     (``fp8`` is the old name of ``wire``.)"""
 
+    overlap: bool = True
+    """Issue each gradient collective as soon as its input exists and wait for it only after the
+    next one has been issued, so the rest of the backward computes while its bytes travel
+    (``passes/overlap.py``). Off: each collective is waited on where it was issued."""
+
     meter_interval: int = 10
     """Every N steps, each whitened layer also measures a Euclidean FP8 round trip of the same
     local gradient (codec only, no communication) and records the ratio of GIFT's round-trip
@@ -166,7 +171,7 @@ class GiftConfig:
                 _check_int(name, getattr(self, name))
         _check_float("damping", self.damping, low=MIN_DAMPING, high=1e3, closed_low=True)
         _check_float("ema_decay", self.ema_decay, low=0.0, high=1.0, closed_low=True)
-        for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback"):
+        for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftConfig.{name}={getattr(self, name)!r} is invalid; it must be true or false")
         if self.factor_source == "current_step" and self.factorization != "symmetric":

@@ -110,7 +110,8 @@ class StateAccess(Protocol):
 
     def gather_residual(self, plan: LayerPlan, token: torch.Tensor) -> torch.Tensor: ...
 
-    def meter(self, plan: LayerPlan, grad: torch.Tensor, token: torch.Tensor) -> None: ...
+    def meter(self, plan: LayerPlan, grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The live meter's shadow round trip on a meter step; returns the token the rest of the step takes."""
 
     def end(
         self, plan: LayerPlan, token: torch.Tensor, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None
@@ -144,7 +145,7 @@ def reduce_layer(
         else:
             whitening = Whitening.from_list(plan.config.whitening_layout, access.factors(plan, token))
         whitening = whitening.or_identity(token)
-        access.meter(plan, grad, token)
+        token = access.meter(plan, grad, token)
     residual = access.residual(plan, token) if plan.plan.error_feedback else None
     gather_residual = access.gather_residual(plan, token) if plan.plan.gather_error_feedback else None
     reduction = reduce(
@@ -180,6 +181,7 @@ class EagerAccess:
 
     def meter(self, plan, grad, token):
         self.runtime.meter(plan.fqn, grad)
+        return token
 
     def end(self, plan, token, reduction, next_basis, next_scale):
         self.runtime.end_step(plan.fqn, plan.group, reduction, next_basis, next_scale, plan.bytes_sent, plan.stats_bytes)

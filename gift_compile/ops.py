@@ -14,14 +14,15 @@ call. :class:`OpsAccess` is the ``layer_step.StateAccess`` that emits them::
     T...  = gift::load_factors(ns, fqn, d_in, low_rank, token)    copies of the periodic factors
     R     = gift::load_residual(ns, fqn, d_out, d_in, token)      the residual itself
     R2    = gift::load_gather_residual(ns, fqn, rows, cols, token)
-    gift::meter(ns, fqn, grad, token)                             a shadow FP8 round trip on meter steps
+    token = gift::meter(ns, fqn, grad, token)                     a shadow round trip on meter steps
     ... whiten, quantize, FP8 collectives, unwhiten (plain aten ops, fused by Inductor) ...
     gift::end_step(ns, fqn, group, token, R', R2', Q', s', stats, bytes, stats_bytes)
     gift::record_euclidean(ns, fqn, path, stats, bytes)           counters of a stateless Euclidean step
 
 Every collective the pass adds depends on ``ok`` (through ``begin_step``, or as ``grad * ok``
 on the stateless Euclidean path), so no reordering can put one before the agreement. The
-``token`` data dependency orders the ops; ``meter``, ``end_step`` and ``record_euclidean``
+``token`` data dependency orders the ops (``meter`` hands on a new one, so ``end_step`` always
+follows it, whatever a scheduler does); ``meter``, ``end_step`` and ``record_euclidean``
 are marked side-effecting so dead-code elimination keeps them.
 
 Residuals are never copied: ``load_residual`` hands out the state tensor and ``end_step``
@@ -118,13 +119,14 @@ def _(namespace, fqn, rows, cols, token):
 
 
 @torch.library.custom_op("gift::meter", mutates_args=(), tags=_RUNS_PYTHON)
-def meter(namespace: str, fqn: str, grad: torch.Tensor, token: torch.Tensor) -> None:
+def meter(namespace: str, fqn: str, grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     get_runtime(namespace).meter(fqn, grad)
+    return token.clone()  # the token end_step takes: the meter's reading is held before end_step reads it
 
 
 @meter.register_fake
 def _(namespace, fqn, grad, token):
-    return None
+    return torch.empty_like(token)
 
 
 @torch.library.custom_op("gift::end_step", mutates_args=(), tags=_RUNS_PYTHON)
@@ -193,7 +195,7 @@ class OpsAccess:
         return torch.ops.gift.load_gather_residual(self.namespace, plan.fqn, rows, cols, token)
 
     def meter(self, plan, grad, token):
-        torch.ops.gift.meter(self.namespace, plan.fqn, grad, token)
+        return torch.ops.gift.meter(self.namespace, plan.fqn, grad, token)
 
     def end(self, plan, token, reduction, next_basis, next_scale):
         torch.ops.gift.end_step(

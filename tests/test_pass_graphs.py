@@ -29,6 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gift_compile import GiftConfig, gift_backend, replicate
 from gift_compile.passes.gift_collectives import gift_collectives_pass
+from gift_compile.passes.overlap import overlap_gradient_collectives
 from gift_compile.passes.graph_utils import module_fqn
 from gift_compile.runtime import register_runtime
 from graph_render import render_gift_graph
@@ -208,6 +209,95 @@ fc1       all_to_all_single(GROUP) uint8[520] -> wait
 fc1       all_gather_into_tensor(GROUP) uint8[1, 260] -> wait
 fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
 
+    def test_overlap_issues_each_collective_before_the_remaining_backward(self):
+        # passes/overlap.py after the rewrite (as the backend and graph_trainer run it): every
+        # gradient collective is issued as soon as its input exists, and its wait comes only
+        # after the next gradient collective's issue, with the next layer's backward (its mm)
+        # in between; the statistics go out in one all_reduce for the block, early.
+        torch.manual_seed(0)
+        attention = ("wq", "wk", "wv", "wo")
+        config = GiftConfig(layers=attention, low_rank=4)
+        _, after = backward_before_and_after(replicate(LlamaBlock()), config, "snap_overlap", set(attention), torch.randn(2, 8, 32))
+        assert overlap_gradient_collectives(after) > 0
+        self.assertExpectedInline(render_gift_graph(after), """\
+*                      gift::agree(NS, GROUP, description=...)
+wq                     gift::begin_step(NS, wq, GROUP, d_out=32, d_in=32, whitened=True)
+wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
+*                      gift::input_sketch(max_tokens=8192)
+wk                     gift::begin_step(NS, wk, GROUP, d_out=32, d_in=32, whitened=True)
+wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
+*                      gift::input_sketch(max_tokens=8192)
+wv                     gift::begin_step(NS, wv, GROUP, d_out=32, d_in=32, whitened=True)
+wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
+*                      gift::input_sketch(max_tokens=8192)
+wo                     gift::begin_step(NS, wo, GROUP, d_out=32, d_in=32, whitened=True)
+wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
+*                      gift::input_sketch(max_tokens=8192)
+*                      all_reduce(sum, GROUP) float32[520]
+w2                     mm -> grad float32[32, 64]
+w2                     all_to_all_single(GROUP) uint8[2056]
+*                      wait_tensor(all_reduce)
+w2                     gift::record_euclidean(NS, w2, path=fp8, bytes_sent=2056)
+w3                     mm -> grad float32[64, 32]
+w3                     all_to_all_single(GROUP) uint8[2056]
+w2                     wait_tensor(all_to_all_single)
+w2                     all_gather_into_tensor(GROUP) uint8[1, 1028]
+w3                     gift::record_euclidean(NS, w3, path=fp8, bytes_sent=2056)
+w1                     mm -> grad float32[64, 32]
+w1                     all_to_all_single(GROUP) uint8[2056]
+w3                     wait_tensor(all_to_all_single)
+w3                     all_gather_into_tensor(GROUP) uint8[1, 1028]
+w1                     gift::record_euclidean(NS, w1, path=fp8, bytes_sent=2056)
+ffn_norm.weight        all_reduce(avg, GROUP) float32[32]  (original)
+w2                     wait_tensor(all_gather_into_tensor)
+w1                     wait_tensor(all_to_all_single)
+w1                     all_gather_into_tensor(GROUP) uint8[1, 1028]
+wo                     mm -> grad float32[32, 32]
+wo                     gift::whitening_from_sketch(damping=1.0)
+wo                     gift::meter(NS, wo)
+wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
+wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
+wo                     all_to_all_single(GROUP) uint8[1032]
+w3                     wait_tensor(all_gather_into_tensor)
+ffn_norm.weight        wait_tensor(all_reduce)
+wv                     mm -> grad float32[32, 32]
+wv                     gift::whitening_from_sketch(damping=1.0)
+wv                     gift::meter(NS, wv)
+wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
+wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
+wv                     all_to_all_single(GROUP) uint8[1032]
+w1                     wait_tensor(all_gather_into_tensor)
+wo                     wait_tensor(all_to_all_single)
+wo                     all_gather_into_tensor(GROUP) uint8[1, 516]
+wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
+wk                     mm -> grad float32[32, 32]
+wk                     gift::whitening_from_sketch(damping=1.0)
+wk                     gift::meter(NS, wk)
+wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
+wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
+wk                     all_to_all_single(GROUP) uint8[1032]
+wv                     wait_tensor(all_to_all_single)
+wv                     all_gather_into_tensor(GROUP) uint8[1, 516]
+wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
+wq                     mm -> grad float32[32, 32]
+wq                     gift::whitening_from_sketch(damping=1.0)
+wq                     gift::meter(NS, wq)
+wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
+wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
+wq                     all_to_all_single(GROUP) uint8[1032]
+wo                     wait_tensor(all_gather_into_tensor)
+wk                     wait_tensor(all_to_all_single)
+wk                     all_gather_into_tensor(GROUP) uint8[1, 516]
+wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
+attention_norm.weight  all_reduce(avg, GROUP) float32[32]  (original)
+wv                     wait_tensor(all_gather_into_tensor)
+wq                     wait_tensor(all_to_all_single)
+wq                     all_gather_into_tensor(GROUP) uint8[1, 516]
+wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=520)
+wk                     wait_tensor(all_gather_into_tensor)
+attention_norm.weight  wait_tensor(all_reduce)
+wq                     wait_tensor(all_gather_into_tensor)""")
+
     def test_llama_block_every_collective_is_accounted_for(self):
         # 9 parameters: 7 Linear weights (the 4 attention projections GIFT, w1/w2/w3 Euclidean
         # FP8 with error feedback: a residual, no statistics, no record_euclidean) and the 2
@@ -222,20 +312,17 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
 *                      gift::agree(NS, GROUP, description=...)
 wq                     gift::begin_step(NS, wq, GROUP, d_out=32, d_in=32, whitened=True)
 wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
-wq                     gift::input_sketch(max_tokens=8192)
-wq                     all_reduce(sum, GROUP) float32[130]
+*                      gift::input_sketch(max_tokens=8192)
 wk                     gift::begin_step(NS, wk, GROUP, d_out=32, d_in=32, whitened=True)
 wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
-wk                     gift::input_sketch(max_tokens=8192)
-wk                     all_reduce(sum, GROUP) float32[130]
+*                      gift::input_sketch(max_tokens=8192)
 wv                     gift::begin_step(NS, wv, GROUP, d_out=32, d_in=32, whitened=True)
 wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
-wv                     gift::input_sketch(max_tokens=8192)
-wv                     all_reduce(sum, GROUP) float32[130]
+*                      gift::input_sketch(max_tokens=8192)
 wo                     gift::begin_step(NS, wo, GROUP, d_out=32, d_in=32, whitened=True)
 wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
-wo                     gift::input_sketch(max_tokens=8192)
-wo                     all_reduce(sum, GROUP) float32[130]
+*                      gift::input_sketch(max_tokens=8192)
+*                      all_reduce(sum, GROUP) float32[520] -> wait
 w1                     gift::begin_step(NS, w1, GROUP, d_out=64, d_in=32, whitened=False)
 w3                     gift::begin_step(NS, w3, GROUP, d_out=64, d_in=32, whitened=False)
 w2                     gift::begin_step(NS, w2, GROUP, d_out=32, d_in=64, whitened=False)
@@ -259,7 +346,6 @@ w1                     all_gather_into_tensor(GROUP) uint8[1, 1028] -> wait
 w1                     gift::end_step(NS, w1, GROUP, next_basis=None, next_scale=None, bytes_sent=2056, stats_bytes=0)
 ffn_norm.weight        all_reduce(avg, GROUP) float32[32] -> wait  (original)
 wo                     mm -> grad float32[32, 32]
-wo                     wait_tensor(all_reduce)
 wo                     gift::whitening_from_sketch(damping=1.0)
 wo                     gift::meter(NS, wo)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
@@ -268,7 +354,6 @@ wo                     all_to_all_single(GROUP) uint8[1032] -> wait
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wv                     mm -> grad float32[32, 32]
-wv                     wait_tensor(all_reduce)
 wv                     gift::whitening_from_sketch(damping=1.0)
 wv                     gift::meter(NS, wv)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
@@ -277,7 +362,6 @@ wv                     all_to_all_single(GROUP) uint8[1032] -> wait
 wv                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     mm -> grad float32[32, 32]
-wk                     wait_tensor(all_reduce)
 wk                     gift::whitening_from_sketch(damping=1.0)
 wk                     gift::meter(NS, wk)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
@@ -286,7 +370,6 @@ wk                     all_to_all_single(GROUP) uint8[1032] -> wait
 wk                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
 wq                     mm -> grad float32[32, 32]
-wq                     wait_tensor(all_reduce)
 wq                     gift::whitening_from_sketch(damping=1.0)
 wq                     gift::meter(NS, wq)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
@@ -308,12 +391,11 @@ attention_norm.weight  all_reduce(avg, GROUP) float32[32] -> wait  (original)"""
 *                 gift::agree(NS, GROUP, description=...)
 attn.c_attn       gift::begin_step(NS, attn.c_attn, GROUP, d_out=96, d_in=32, whitened=True)
 attn.c_attn       gift::load_basis(NS, attn.c_attn, d_in=32, low_rank=4)
-attn.c_attn       gift::input_sketch(max_tokens=8192)
-attn.c_attn       all_reduce(sum, GROUP) float32[130]
+*                 gift::input_sketch(max_tokens=8192)
 attn.c_proj       gift::begin_step(NS, attn.c_proj, GROUP, d_out=32, d_in=32, whitened=True)
 attn.c_proj       gift::load_basis(NS, attn.c_proj, d_in=32, low_rank=4)
-attn.c_proj       gift::input_sketch(max_tokens=8192)
-attn.c_proj       all_reduce(sum, GROUP) float32[130]
+*                 gift::input_sketch(max_tokens=8192)
+*                 all_reduce(sum, GROUP) float32[260] -> wait
 mlp.c_proj        mm -> grad float32[32, 128]
 mlp.c_proj.bias   all_reduce(avg, GROUP) float32[32] -> wait  (original)
 mlp.c_proj        all_to_all_single(GROUP) uint8[4104] -> wait
@@ -328,7 +410,6 @@ ln_2.bias         all_reduce(avg, GROUP) float32[32] -> wait  (original)
 ln_2.weight       all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       mm -> grad float32[32, 32]
 attn.c_proj.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
-attn.c_proj       wait_tensor(all_reduce)
 attn.c_proj       gift::whitening_from_sketch(damping=1.0)
 attn.c_proj       gift::meter(NS, attn.c_proj)
 attn.c_proj       gift::load_residual(NS, attn.c_proj, d_out=32, d_in=32)
@@ -338,7 +419,6 @@ attn.c_proj       all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 attn.c_proj       gift::end_step(NS, attn.c_proj, GROUP, bytes_sent=1032, stats_bytes=520)
 attn.c_attn       mm -> grad float32[96, 32]
 attn.c_attn.bias  all_reduce(avg, GROUP) float32[96] -> wait  (original)
-attn.c_attn       wait_tensor(all_reduce)
 attn.c_attn       gift::whitening_from_sketch(damping=1.0)
 attn.c_attn       gift::meter(NS, attn.c_attn)
 attn.c_attn       gift::load_residual(NS, attn.c_attn, d_out=96, d_in=32)

@@ -202,7 +202,6 @@ def test_bad_launch_settings_are_refused_before_anything_runs(tmp_path, capsys, 
         ("damping = true", "GiftConfig.damping=True is invalid"),
         ('layers_file = "../../x.toml"', "gift.layers_file='../../x.toml' is invalid"),
         ("compile_codec = 1", "gift.compile_codec=1 is invalid; it must be a bool"),
-        ("compile_codec = false", "gift.compile_codec=False is for the standard trainer"),  # the default job is graph_trainer
     ],
 )
 def test_loose_gift_values_name_their_field(tmp_path, capsys, gift, message):

@@ -60,6 +60,8 @@ from gift_compile.config import GiftConfig
 from gift_compile.layer_step import LayerPlan, issue_statistics, reduce_layer
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
+from gift_compile.passes.overlap import STATISTICS, mark_gradient_collectives
+from gift_compile.timing import CODEC
 from gift_compile.policy import ParamKind, Plan
 
 log = logging.getLogger(__name__)
@@ -206,17 +208,64 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
         groups = list(dict.fromkeys(r.found.group_name for r in rewrites))
         like = next(n for n in graph.find_nodes(op="placeholder") if isinstance(n.meta.get("val"), torch.Tensor))
         agreed = splice_traced(graph, lambda x: agree_first(namespace, groups, description, x), [like], after=like)
+        before = set(graph.nodes)
         for rewrite in rewrites:
             if rewrite.plan.stateful:
                 rewrite_stateful(graph, rewrite, config, namespace, agreed)
             else:
                 rewrite_euclidean(graph, rewrite, namespace, agreed)
+        batch_statistics(graph)
+        added = [n for n in graph.nodes if n not in before]
+        mark_gradient_collectives(added)  # for the overlap scheduler
+        for node in added:
+            node.meta[CODEC] = True  # for the time meter (timing.py)
     graph.lint()
+
+
+def block_of(fqn: str) -> str:
+    """The block a layer belongs to: its FQN up to the first numeric component (``layers.3``), or
+    ``""`` when it has none (one block for the whole graph)."""
+    parts = fqn.split(".")
+    return next((".".join(parts[: i + 1]) for i, part in enumerate(parts) if part.isdigit()), "")
+
+
+def batch_statistics(graph: fx.Graph) -> None:
+    """One statistics all-reduce per block and group instead of one per layer: the sketches of a
+    block's layers are concatenated and summed together, right after the last of them exists
+    (in a joint graph, still during the forward), and each layer reads its slice after the
+    wait. A sum is elementwise, so every layer's summed sketch is the same as alone."""
+    buckets: dict[tuple, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        if STATISTICS in node.meta:
+            buckets.setdefault((node.meta[STATISTICS], node.args[2]), []).append(node)
+    for (_, group_name), reduces in buckets.items():
+        if len(reduces) < 2:
+            continue
+        sketches = [r.args[0] for r in reduces]
+        sizes = [s.meta["val"].numel() for s in sketches]
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        last = max(sketches, key=order.__getitem__)
+
+        def summed(*parts):
+            whole = c10d.wait_tensor(c10d.all_reduce(torch.cat(parts), "sum", group_name))
+            return list(torch.split(whole, sizes))
+
+        slices = splice_traced(graph, summed, sketches, after=last)
+        for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+            if node.args[0].target is torch.ops.aten.cat.default and node.args[0].args[0] == sketches:
+                node.meta[STATISTICS] = reduces[0].meta[STATISTICS]  # the block's one statistics all-reduce
+        for reduce, piece in zip(reduces, slices):
+            (wait,) = reduce.users
+            wait.replace_all_uses_with(piece)
+            graph.erase_node(wait)
+            graph.erase_node(reduce)
 
 
 def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, selected: frozenset[str]) -> list[GradientCollective]:
     """Rewrite the gradient collectives of ``graph`` in place; returns those rewritten."""
+    found = find_gradient_collectives(graph)
     rewrites = plan_rewrites(graph, config, selected)
+    mark_gradient_collectives(g.collective for g in found)  # those left as they are move too
     apply_rewrites(graph, rewrites, config, namespace)
     return [r.found for r in rewrites]
 
@@ -240,6 +289,8 @@ def rewrite_stateful(graph: fx.Graph, rewrite: Rewrite, config: GiftConfig, name
     anchor = agreed if layer_input.op == "placeholder" else layer_input  # the agreement is the first computation
     early = splice_traced(graph, lambda x, ok: issue_statistics(plan, access, x, ok), [layer_input, agreed], after=anchor)
     early = [n for n in early if n is not None]
+    if len(early) == 4:
+        early[1].meta[STATISTICS] = block_of(found.fqn)  # the sketch's all_reduce: batched per block below
 
     if len(early) == 4:  # current-step factors: (token, summed sketch, basis, sketch scale)
         def late(grad, token, sketch, basis, scale):

@@ -27,10 +27,10 @@ INTEGRATION_FIELDS: dict[str, tuple[type, object, str]] = {
     ),
     "compile_codec": (
         bool, True,
-        "(integration, standard trainer) Run the FSDP route's FP8 codec compiled by Inductor (one graph per "
-        "parameter shape and path, compiled at the first step) or eagerly: the same bits either way; eager "
-        "skips the first step's compiles and runs each later step slower. graph_trainer compiles the codec "
-        "inside its joint graph and refuses false.",
+        "(integration) Compile the codec's arithmetic (whiten, encode, decode, unwhiten) with Inductor, or run "
+        "it eagerly: the same bits either way. graph_trainer: its regional_inductor_pass compiles the codec's "
+        "regions of the joint graph, which otherwise runs as eager FX; the standard trainer: one graph per "
+        "parameter shape and path. Compiling costs seconds at the first step and makes every later step faster.",
     ),
 }
 _SECTION_OVERRIDES: dict[str, tuple[type, object]] = {
@@ -81,9 +81,6 @@ def check_route(section, route: str) -> None:
     """Refuse a key that the trainer's route would ignore (a ``ValueError`` naming it)."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
-    if route == "graph" and not section.compile_codec:
-        raise ValueError("gift.compile_codec=False is for the standard trainer (FSDP2 route); graph_trainer "
-                         "compiles the codec inside its joint graph")
 
 
 def normalize_table(values: dict) -> dict:

@@ -34,6 +34,8 @@ from torch import fx
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.passes import gift_collectives as gc
+from gift_compile import timing
+from gift_compile.passes.overlap import COLLECTIVE_OPS, mark_gradient_collectives, overlap_gradient_collectives
 from gift_compile.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,12 @@ class GraphAccounting:
     rewritten_euclidean: list[str] = field(default_factory=list)
     linear_candidates: list[str] = field(default_factory=list)
     numel: dict[str, int] = field(default_factory=dict)
+    overlapped: int = 0
+    """Gradient waits the overlap pass moved past a later gradient collective."""
+    collective_calls: int = 0
+    """Collectives the final graph issues per step (parameter all-gathers, gradients, statistics)."""
+    collective_calls_traced: int = 0
+    """The same in the graph as traced (what the stock pipeline runs)."""
 
 
 @dataclass
@@ -66,6 +74,8 @@ class PassContext:
     namespace: str
     config: GiftConfig
     selected: frozenset[str]
+    compile_codec: bool = True
+    """Tag the codec's arithmetic for regional Inductor (``compile_codec_regions``)."""
     accounting: GraphAccounting = field(default_factory=GraphAccounting)
 
 
@@ -86,6 +96,22 @@ def get_pass_context(namespace: str) -> PassContext:
     return context
 
 
+def compile_codec_regions(graph: fx.Graph) -> int:
+    """Tag the codec's tensor arithmetic for graph_trainer's ``regional_inductor_pass``, which
+    compiles tagged regions with Inductor (fused, bit for bit the eager numerics) while the rest
+    of the joint graph runs as FX Python. Collectives, waits and ``gift::`` ops stay outside, so
+    the overlap pass can still move them; each layer's encode and decode become regions of
+    their own (a region cannot span a collective: that would be a cycle). Returns the nodes tagged."""
+    tagged = 0
+    for node in graph.nodes:
+        if node.meta.get(timing.CODEC) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
+                and node.target.namespace in ("aten", "prims"):
+            custom = node.meta.setdefault("custom", {})
+            custom["compile_with_inductor"] = {"inductor_region": "gift_codec"}
+            tagged += 1
+    return tagged
+
+
 def _dense_wire(dtype: torch.dtype) -> WireFormat:
     return WireFormat("bf16" if dtype == torch.bfloat16 else "fp32")
 
@@ -100,6 +126,7 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         ctx.accounting = GraphAccounting()
         return gm
     accounting = GraphAccounting(collectives=len(found))
+    accounting.collective_calls_traced = sum(1 for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
     accounting.linear_candidates = [g.fqn for g in found if g.fqn is not None]
     missing = sorted(ctx.selected - set(accounting.linear_candidates))
     if missing:
@@ -116,6 +143,7 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
             accounting.numel[g.fqn] = int(torch.Size(shape).numel())
 
     rewrites = gc.plan_rewrites(graph, ctx.config, ctx.selected)
+    mark_gradient_collectives(g.collective for g in found)  # the overlap pass moves those left as they are too
     for r in rewrites:
         (accounting.rewritten_gift if r.plan.whitened else accounting.rewritten_euclidean).append(r.found.fqn)
         accounting.numel[r.found.fqn] = int(r.found.collective.args[0].meta["val"].numel())
@@ -125,6 +153,8 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
             val = g.collective.args[0].meta["val"]
             accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.collective_type)
     gc.apply_rewrites(graph, rewrites, ctx.config, namespace)
+    if ctx.compile_codec:
+        compile_codec_regions(graph)
 
     graph.lint()
     gm.recompile()
@@ -150,15 +180,31 @@ def disable_incompatible_passes(compile_config) -> list[str]:
     return added
 
 
+def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str) -> fx.GraphModule:
+    """The last pass: order the final graph so gradient communication overlaps the backward
+    (``passes/overlap.py``; graph_trainer runs the joint graph as ordered), then put the time
+    meter's ticks in (``timing.py``)."""
+    ctx = get_pass_context(namespace)
+    if ctx.config.overlap:
+        ctx.accounting.overlapped = overlap_gradient_collectives(gm.graph)
+        log.info("GIFT overlap: %d gradient waits now come after a later gradient collective's issue", ctx.accounting.overlapped)
+    ctx.accounting.collective_calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
+    timing.instrument(gm.graph, namespace)
+    gm.recompile()
+    return gm
+
+
 def gift_pass_pipeline(traced_result, config, *, parallel_dims=None) -> list:
-    """``(TracedResult, GraphTrainer.Config, parallel_dims=) -> [pass]``: GIFT first, then torchtitan's."""
+    """``(TracedResult, GraphTrainer.Config, parallel_dims=) -> [pass]``: GIFT first, then
+    torchtitan's, then GIFT's overlap scheduling of the final graph."""
     from torchtitan.experiments.graph_trainer.passes import construct_default_graph_passes
 
     passes = construct_default_graph_passes(traced_result, config, parallel_dims=parallel_dims)
     gift = getattr(config, "gift", None)
     if gift is None or not gift.enabled:
         return passes
-    return [functools.partial(gift_joint_graph_pass, namespace=NAMESPACE), *passes]
+    return [functools.partial(gift_joint_graph_pass, namespace=NAMESPACE), *passes,
+            functools.partial(gift_overlap_pass, namespace=NAMESPACE)]
 
 
 def before_train_step(trainer) -> None:

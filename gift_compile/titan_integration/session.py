@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gift_compile import fsdp
+from gift_compile import fsdp, timing
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.runtime import GiftRuntime, register_runtime
@@ -51,8 +51,8 @@ def rank() -> int:
 class GraphRoute:
     """graph_trainer: the ``gift`` pass pipeline rewrites the joint graph's collectives."""
 
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer, section: GiftSection) -> None:
+        self.trainer, self.compile_codec = trainer, section.compile_codec
         compile_config = trainer.config.compile
         if getattr(compile_config, "pass_pipeline", None) != PIPELINE_NAME or not compile_config.enable:
             raise ValueError(
@@ -65,7 +65,7 @@ class GraphRoute:
             log.info("GIFT: graph passes %s disabled (a CUDA graph would skip the gift:: ops' per-step Python)", disabled)
 
     def select(self, config: GiftConfig, chosen: list[str], *, retrace: bool) -> None:
-        set_pass_context(PassContext(NAMESPACE, config, frozenset(chosen)))
+        set_pass_context(PassContext(NAMESPACE, config, frozenset(chosen), self.compile_codec))
         if retrace:
             self.trainer._traced_step = None  # graph_trainer retraces and reruns the pass pipeline
 
@@ -121,7 +121,7 @@ class GiftSession:
         self.chosen: list[str] = [] if self.auto else select_layers(list(self.shapes), self.config.layers)
         self.profile_table: str | None = None
         self.switched_at: int | None = None
-        self.route = GraphRoute(trainer) if route == "graph" else Fsdp2Route(trainer, self.runtime, section)
+        self.route = GraphRoute(trainer, section) if route == "graph" else Fsdp2Route(trainer, self.runtime, section)
         self._create_layer_states(self.chosen)
         self.route.select(self._wire_config(), self.chosen, retrace=False)
         if getattr(trainer.checkpointer, "enable", False):
@@ -197,6 +197,12 @@ class GiftSession:
         out["gift/error_vs_fp8_max"] = max(readings) if readings else None
         out["gift/fallback_layers"] = sum(c.fallback_until is not None for c in self.runtime.counters.values())
         out["gift/restarts"] = self.runtime.report_restarts()
+        out["gift/collectives_per_step"] = accounting.collective_calls or None
+        out["gift/collectives_per_step_traced"] = accounting.collective_calls_traced or None
+        seconds = timing.timer(NAMESPACE).take()
+        if seconds["step"] > 0:  # the graph route's time meter (timing.py): per step since the last log line
+            out["gift/codec_s"], out["gift/comm_wait_s"], out["gift/compute_s"] = seconds["codec"], seconds["wait"], seconds["compute"]
+            out["gift/comm_share"] = (seconds["codec"] + seconds["wait"]) / seconds["step"]
         out["gift/profiling"] = int(self.profiling)
         return out
 
@@ -245,7 +251,8 @@ class GiftSession:
 
 
 CONSOLE_METRICS = ("gift/bytes_ratio_vs_fp32", "gift/total_bytes_ratio_vs_fp32", "gift/bytes_per_step", "gift/stats_bytes_per_step",
-                   "gift/layers", "gift/error_vs_fp8", "gift/error_vs_fp8_max", "gift/fallback_layers", "gift/restarts")
+                   "gift/layers", "gift/error_vs_fp8", "gift/error_vs_fp8_max", "gift/fallback_layers", "gift/restarts",
+                   "gift/codec_s", "gift/comm_wait_s", "gift/comm_share")
 
 
 def console_line(metrics: dict[str, Any]) -> str:
@@ -253,7 +260,7 @@ def console_line(metrics: dict[str, Any]) -> str:
     def fmt(value):
         return "-" if value is None else f"{value:.3g}" if isinstance(value, float) else str(value)
 
-    return " ".join(f"{name}={fmt(metrics[name])}" for name in CONSOLE_METRICS)
+    return " ".join(f"{name}={fmt(metrics.get(name))}" for name in CONSOLE_METRICS)
 
 
 _STARTED: set[Path] = set()  # folders this process has written to

@@ -1,0 +1,137 @@
+"""Overlap gradient communication with the backward: issue each gradient collective as soon as
+its input exists, and wait for it only after the next one has been issued.
+
+A traced backward waits for each gradient's collective right after issuing it, so the bytes
+travel while the rank does nothing. Reordered (docs/design.md §10)::
+
+    before:  G_k = mm(..); U_k = encode(G_k); m_k = all_to_all(U_k); wait(m_k); decode(m_k) ..
+             G_j = mm(..); U_j = encode(G_j); m_j = all_to_all(U_j); wait(m_j); decode(m_j) ..
+    after:   G_k = mm(..); U_k = encode(G_k); m_k = all_to_all(U_k)
+             G_j = mm(..); U_j = encode(G_j); m_j = all_to_all(U_j)    # layer j's backward meanwhile
+             wait(m_k); decode(m_k) ..                                 # one collective later
+             ...
+
+It is a list scheduler (Kahn's algorithm) over the graph's data dependencies: among the nodes
+whose inputs are ready, a gradient collective goes first; the wait of one becomes eligible
+once ``lag`` more gradients have started their collectives after it (an all-reduce's second
+phase, fed by the first one's wait, does not count), or when nothing else can run; everything
+else keeps graph order. Nodes with side effects keep their relative order,
+except the ``gift::`` ops, each of which touches one layer's state and is ordered within its
+layer by the step's token (a data dependency). Only the gradient collectives the GIFT pass marked move
+(``GRADIENT_COMM``: the ones it rewrote, the statistics' all-reduces and the gradient
+collectives it left as they were); a forward all-gather keeps its place, so FSDP's memory
+profile is untouched. Correctness needs nothing but the data dependencies, which every move
+respects; the lag bounds how long a received buffer waits for its decode (one collective).
+
+Where the graph runs as it is ordered (graph_trainer's joint graph, executed as FX Python),
+this order is the schedule. Inductor (the ``torch.compile`` route) keeps the order of its
+collectives and extern kernels from the graph it lowers.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+from torch import fx
+
+c10d = torch.ops._c10d_functional
+
+GRADIENT_COMM = "gift_gradient_comm"
+"""``node.meta`` key the GIFT pass sets on the gradient collectives this scheduler may move."""
+STATISTICS = "gift_statistics"
+"""``node.meta`` key on a statistics all-reduce (its value: the block it sums): it feeds a layer's
+whitening, not a later phase of the same gradient's reduction."""
+
+WAIT = c10d.wait_tensor.default
+COLLECTIVE_OPS = {
+    c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default,
+    c10d.all_gather_into_tensor.default,
+}
+
+
+def _layer_op(node: fx.Node) -> bool:
+    """A ``gift::`` op: it touches one layer's state, ordered within the layer by its token (a
+    data dependency), and is independent of every other layer's."""
+    return getattr(node.target, "namespace", None) == "gift"
+
+
+def mark_gradient_collectives(nodes) -> None:
+    """Mark the collectives among ``nodes`` as gradient collectives the scheduler may move."""
+    for node in nodes:
+        if node.op == "call_function" and node.target in COLLECTIVE_OPS:
+            node.meta[GRADIENT_COMM] = True
+
+
+def overlap_gradient_collectives(graph: fx.Graph, lag: int = 1) -> int:
+    """Reorder ``graph`` in place (module docstring); returns how many gradient waits moved past
+    a later gradient collective (0: the graph had nothing to overlap)."""
+    nodes = list(graph.nodes)
+    position = {node: i for i, node in enumerate(nodes)}
+    marked = {n for n in nodes if n.meta.get(GRADIENT_COMM)}
+    waits = {u: c for c in marked for u in c.users if u.target is WAIT}
+    if not marked:
+        return 0
+    inputs = {n: set(n.all_input_nodes) for n in nodes}
+    previous_effect = None
+    for node in nodes:  # side effects keep their order: a chain through them
+        if node.op == "call_function" and node not in marked and node not in waits and node.is_impure() and not _layer_op(node):
+            if previous_effect is not None:
+                inputs[node].add(previous_effect)
+            previous_effect = node
+    users = {n: [] for n in nodes}
+    for node, deps in inputs.items():
+        for dep in deps:
+            users[dep].append(node)
+    missing = {n: len(deps) for n, deps in inputs.items()}
+
+    # A collective fed by another one's wait (an all-reduce's all-gather of the reduced shard) is
+    # a later phase of the same gradient: only a new gradient's first collective counts for the lag.
+    phase_waits = {w for w, c in waits.items() if STATISTICS not in c.meta}
+    after_wait: dict[fx.Node, bool] = {}
+    for node in nodes:
+        after_wait[node] = any(dep in phase_waits or after_wait[dep] for dep in node.all_input_nodes)
+    leading = {c for c in marked if not after_wait[c]}
+
+    ready: list[tuple[int, int, fx.Node]] = []  # (0 for a gradient collective else 1, graph position, node)
+    held: list[tuple[int, fx.Node]] = []  # gradient waits not yet eligible, by their collective's issue number
+    issued: dict[fx.Node, int] = {}
+
+    def make_ready(node: fx.Node) -> None:
+        if node in waits:
+            heapq.heappush(held, (issued[waits[node]], position[node], node))
+        else:
+            heapq.heappush(ready, (0 if node in marked else 1, position[node], node))
+
+    for node in nodes:
+        if missing[node] == 0:
+            make_ready(node)
+    order, deferred, started = [], 0, 0  # started: leading collectives issued so far
+    while ready or held:
+        while held and (held[0][0] + lag < started or not ready):
+            number, _, wait = heapq.heappop(held)
+            deferred += number + 1 < started
+            heapq.heappush(ready, (1, position[wait], wait))
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        if node in marked:
+            issued[node] = started
+            started += node in leading
+        for user in users[node]:
+            missing[user] -= 1
+            if missing[user] == 0:
+                make_ready(user)
+    if len(order) != len(nodes):
+        raise RuntimeError(f"overlap scheduling left {len(nodes) - len(order)} nodes unscheduled (a dependency cycle?)")
+    placeholders = [n for n in order if n.op == "placeholder"]
+    rest = [n for n in order if n.op not in ("placeholder", "output")]
+    anchor = nodes[0]
+    for node in placeholders + rest + [graph.output_node()]:
+        if node is not anchor:
+            anchor.append(node)
+        anchor = node
+    graph.lint()
+    return deferred
+
+
+__all__ = ["GRADIENT_COMM", "STATISTICS", "mark_gradient_collectives", "overlap_gradient_collectives"]

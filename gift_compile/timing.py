@@ -1,0 +1,108 @@
+"""Where a step's time goes: GIFT's codec, waiting for gradient communication, everything else.
+
+So a user can tell whether the link or the codec bounds their step (and whether FP8/GIFT pays
+on their cluster), a graph that runs as ordered Python (graph_trainer's joint graph) gets a
+``tick`` call wherever its nodes change kind (:func:`instrument`):
+
+* ``codec``: what GIFT added (statistics, whitening, encoding, decoding, issuing collectives);
+* ``wait``: blocking on a gradient collective's result (``wait_tensor``);
+* ``compute``: everything else (the model's forward and backward, other collectives).
+
+Each tick closes the segment since the previous one. On CPU the host executes every op as it
+is called, so host time is the time; on a GPU each tick records a CUDA event on the current
+stream and the segments are read from the events when the totals are taken (one sync per
+report, none per tick).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from gift_compile.passes.overlap import GRADIENT_COMM, WAIT
+
+KINDS = ("codec", "wait", "compute")
+CODEC = "gift_codec"
+"""``node.meta`` key the GIFT pass sets on every node it adds."""
+
+
+@dataclass
+class StepTimer:
+    """Seconds per kind, summed over the steps since the last :meth:`take`."""
+
+    totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    steps: int = 0
+    _last: object = None
+    _kind: str | None = None
+    _events: list = field(default_factory=list)  # (kind, start event, end event) on a GPU
+
+    def tick(self, kind: str | None, device: torch.device | None = None) -> None:
+        """Close the running segment and open one of ``kind`` (``None``: the step ends)."""
+        if device is not None and device.type == "cuda":
+            now = torch.cuda.Event(enable_timing=True)
+            now.record()
+            if self._last is not None:
+                self._events.append((self._kind, self._last, now))
+        else:
+            now = time.perf_counter()
+            if self._last is not None:
+                self.totals[self._kind] += now - self._last
+        self._last, self._kind = (now, kind) if kind is not None else (None, None)
+        self.steps += kind is None
+
+    def take(self) -> dict[str, float]:
+        """Seconds per step and kind since the last call (and ``step``, their sum); then reset."""
+        if self._events:
+            torch.cuda.synchronize()
+            for kind, start, end in self._events:
+                self.totals[kind] += start.elapsed_time(end) / 1000
+        per_step = {kind: seconds / max(self.steps, 1) for kind, seconds in self.totals.items()}
+        per_step["step"] = sum(per_step.values())
+        self.totals, self.steps, self._events = dict.fromkeys(KINDS, 0.0), 0, []
+        return per_step
+
+
+_TIMERS: dict[str, StepTimer] = {}
+
+
+def timer(namespace: str) -> StepTimer:
+    """The step timer of a GIFT namespace (created on first use)."""
+    return _TIMERS.setdefault(namespace, StepTimer())
+
+
+def tick(namespace: str, kind: str | None, device: torch.device | None = None) -> None:
+    """What an instrumented graph calls at each change of kind."""
+    timer(namespace).tick(kind, device)
+
+
+torch.fx.node.has_side_effect(tick)  # no output: dead-code elimination must keep it
+
+
+def kind_of(node: fx.Node, gradient_waits: set[fx.Node]) -> str:
+    if node in gradient_waits:
+        return "wait"
+    return "codec" if node.meta.get(CODEC) else "compute"
+
+
+def instrument(graph: fx.Graph, namespace: str) -> int:
+    """Insert a ``tick`` before every node whose kind differs from the previous node's, and at
+    the end; returns the number of ticks. For graphs that run as ordered (not through Inductor)."""
+    waits = {u for n in graph.nodes if n.meta.get(GRADIENT_COMM) for u in n.users if u.target is WAIT}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    device = next((n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
+    ticks, previous = 0, None
+    for node in list(graph.nodes):
+        if node.op == "placeholder":
+            continue
+        kind = None if node.op == "output" else kind_of(node, waits)
+        if kind != previous:
+            with graph.inserting_before(node):
+                graph.call_function(tick, (namespace, kind, device))
+            ticks, previous = ticks + 1, kind
+    return ticks
+
+
+__all__ = ["CODEC", "KINDS", "StepTimer", "instrument", "tick", "timer"]
