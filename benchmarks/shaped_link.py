@@ -20,8 +20,9 @@ benchmarks/results/shaped_link.md, the plots to shaped_link.png.
 It needs root and iproute2 (``ip``, ``tc``); without them it stops with a message saying what
 is missing. The namespaces it creates are always removed, also on Ctrl-C or a crash.
 
-    sudo python benchmarks/shaped_link.py                      # 50, 200, 1000 Mbit/s and unshaped
+    sudo python benchmarks/shaped_link.py                      # 50, 200, 1000 Mbit/s, unshaped, 200 Mbit/s + 2 ms RTT
     sudo python benchmarks/shaped_link.py --rates 100 --modes replicate --steps 8
+    sudo python benchmarks/shaped_link.py --variants fp8 gift fp4 gift_fp4 --rates 50 200
     python benchmarks/shaped_link.py --render benchmarks/results/shaped_link.json    # the table again
 """
 
@@ -162,6 +163,11 @@ class Result:
     tokens_s: float
     bytes_per_step: float
     losses: list[list[float]]  # [seconds since the first timed step, loss]
+    codec_s: float = 0.0
+    """GIFT's time meter: the codec's seconds per step (0 for fp32, which runs no codec)."""
+    wait_s: float = 0.0
+    collectives: int | None = None
+    """Collectives the final graph issues per step (None: GIFT off, the stock graph)."""
 
 
 def launcher(job: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
@@ -174,6 +180,15 @@ def records(dump: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def meter(recs: list[dict], warmup: int) -> tuple[float, float, int | None]:
+    """Median codec and wait seconds per step from GIFT's time meter, and the collective calls."""
+    steps = [r for r in recs if "loss" in r][warmup:]
+    codec = [r["gift/codec_s"] for r in steps if r.get("gift/codec_s") is not None]
+    wait = [r["gift/comm_wait_s"] for r in steps if r.get("gift/comm_wait_s") is not None]
+    calls = steps[-1].get("gift/collectives_per_step") if steps else None
+    return (statistics.median(codec) if codec else 0.0), (statistics.median(wait) if wait else 0.0), calls
+
+
 def timing(recs: list[dict], warmup: int) -> tuple[float, float, list[tuple[float, float]]]:
     steps = [r for r in recs if "loss" in r]
     times = [r["time"] for r in steps]
@@ -183,7 +198,7 @@ def timing(recs: list[dict], warmup: int) -> tuple[float, float, list[tuple[floa
     return statistics.median(durations), spread, curve
 
 
-def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Path, port: int) -> tuple[float, float, list, float, str]:
+def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Path, port: int) -> tuple[float, float, list, float, tuple]:
     dump = workdir / f"{mode}-{variant}-{port}"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
     before = link.tx_bytes(0) + link.tx_bytes(1)
@@ -198,7 +213,7 @@ def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Pat
         raise RuntimeError(f"{mode}/{variant} failed:\n{logs[0][-3000:]}\n{logs[1][-3000:]}")
     carried = link.tx_bytes(0) + link.tx_bytes(1) - before
     step_s, spread, curve = timing(records(dump), warmup=2)
-    return step_s, spread, curve, carried / 2 / steps, logs[0]
+    return step_s, spread, curve, carried / 2 / steps, meter(records(dump), warmup=2)
 
 
 def compute_only(steps: int, workdir: Path) -> float:
@@ -215,13 +230,29 @@ def find(results: list[Result], mode: str, rate: str, variant: str) -> Result | 
 
 def crossover(results: list[Result], mode: str, variant: str) -> str:
     """The highest rate at which ``variant`` beats fp32 in tokens/s."""
-    wins = [r.rate for r in results if r.mode == mode and r.variant == variant and r.rate != "unshaped"
-            and (fp32 := find(results, mode, r.rate, "fp32")) is not None and r.tokens_s > fp32.tokens_s]
+    wins = [r.rate for r in results if r.mode == mode and r.variant == variant and link_settings(r.rate)[0] is not None
+            and not link_settings(r.rate)[1] and (fp32 := find(results, mode, r.rate, "fp32")) is not None and r.tokens_s > fp32.tokens_s]
     return max(wins, key=float) + " Mbit/s" if wins else "none of the rates measured"
 
 
+def link_settings(cell: str) -> tuple[float | None, float]:
+    """A cell ``"200"``, ``"unshaped"`` or ``"200+2ms"`` (2 ms of added round trip) as
+    ``(rate Mbit/s or None, netem delay on each end in ms)``."""
+    rate, _, rtt = cell.partition("+")
+    return (None if rate == "unshaped" else float(rate)), (float(rtt.removesuffix("ms")) / 2 if rtt else 0.0)
+
+
 def rate_label(rate: str) -> str:
-    return "unshaped" if rate == "unshaped" else f"{rate} Mbit/s"
+    mbit, delay = link_settings(rate)
+    base = "unshaped" if mbit is None else f"{mbit:g} Mbit/s"
+    return base + (f" + {2 * delay:g} ms RTT" if delay else "")
+
+
+def limit_s(result: Result, compute_s: float) -> float:
+    """What the link and the CPU allow: the compute with the codec, or the wire, whichever is longer."""
+    mbit, _ = link_settings(result.rate)
+    wire = result.bytes_per_step * 8 / (mbit * 1e6) if mbit else 0.0
+    return max(compute_s + result.codec_s, wire)
 
 
 def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str:
@@ -238,13 +269,21 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
             vs_fp32 = f"{r.tokens_s / fp32.tokens_s:.2f}x"
             predicted = f"{fp32.step_s / (compute_s + (fp32.step_s - compute_s) * ratio):.2f}x"
             bytes_vs_fp32 = f"{ratio:.2f}"
-        rows.append([r.mode, rate_label(r.rate), r.variant, f"{r.step_s:.2f} ± {r.step_spread:.2f}", f"{r.tokens_s:.0f}",
-                     vs_fp32, predicted, f"{max(0.0, 1 - compute_s / r.step_s):.0%}", f"{r.bytes_per_step / 2**20:.1f}", bytes_vs_fp32])
-    headers = ["mode", "link", "gradients", "step s (median ± half range)", "tokens/s", "vs fp32", "vs fp32 predicted by bytes",
-               "beyond compute", "MiB/step/direction", "bytes vs fp32"]
+        limit = limit_s(r, compute_s)
+        rows.append([r.mode, rate_label(r.rate), r.variant, f"{r.step_s:.2f} ± {r.step_spread:.2f}", f"{limit:.2f}",
+                     f"{r.step_s / limit:.2f}x", f"{r.tokens_s:.0f}", vs_fp32, predicted,
+                     f"{max(0.0, 1 - compute_s / r.step_s):.0%}", f"{r.codec_s:.3f}", f"{r.wait_s:.3f}",
+                     "-" if r.collectives is None else r.collectives, f"{r.bytes_per_step / 2**20:.1f}", bytes_vs_fp32])
+    headers = ["mode", "link", "gradients", "step s (median ± half range)", "limit s", "step / limit", "tokens/s", "vs fp32",
+               "vs fp32 predicted by bytes", "beyond compute", "codec s", "wait s", "collectives/step", "MiB/step/direction",
+               "bytes vs fp32"]
     lines = [tabulate(rows, headers=headers, tablefmt="github"), "",
              f"Compute alone (1 rank, same per-rank batch): {compute_s:.2f} s/step; {tokens_per_step} tokens per step in all. "
-             "'Beyond compute' is the share of the step not explained by that compute (communication, codec, waiting).", ""]
+             "'Beyond compute' is the share of the step not explained by that compute (communication, codec, waiting). "
+             "'Limit' is what the link and the CPU allow: max(compute alone + the codec's seconds from GIFT's time meter, "
+             "the bytes the veth carried per step and direction / the link rate); 'codec s' and 'wait s' are GIFT's time "
+             "meter (gift/codec_s, gift/comm_wait_s: medians over the timed steps; fp32 runs no codec); 'collectives/step' "
+             "counts the collectives of the final graph (fp32: the stock graph, not counted).", ""]
     for mode in sorted({r.mode for r in results}):
         if any(r.mode == mode and r.variant == "fp32" for r in results):
             lines.append(f"**{mode}**: FP8 beats fp32 up to {crossover(results, mode, 'fp8')}; GIFT up to {crossover(results, mode, 'gift')}.")
@@ -257,6 +296,9 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
             losses = ", ".join(f"{r.variant} {_loss_at(r.losses, budget):.3f}" for r in at_rate)
             overhead = (f"GIFT's step {gift.step_s / fp8.step_s - 1:+.0%} over FP8 ({gift.step_s - fp8.step_s:+.2f} s, "
                         f"{gift.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); ") if fp8 and gift else ""
+            gift4 = find(results, mode, rate, "gift_fp4")
+            if fp8 and gift4:
+                overhead += f"GIFT-FP4 {gift4.tokens_s / fp8.tokens_s:.2f}x FP8's tokens/s ({gift4.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); "
             lines.append(f"- {rate_label(rate)}: {overhead}loss after {budget:.1f} s of training (GIFT's time for its steps): {losses}")
         lines.append("")
     return "\n".join(lines)
@@ -280,7 +322,8 @@ def plot(results: list[Result], out: Path) -> None:
         ax = axes[0][col]
         for variant in variants:
             runs = [r for r in results if r.mode == mode and r.variant == variant]
-            xs = [float(r.rate) if r.rate != "unshaped" else 10000.0 for r in runs]
+            runs = [r for r in runs if not link_settings(r.rate)[1]]  # the delay cell is in the table
+            xs = [link_settings(r.rate)[0] or 10000.0 for r in runs]
             ax.plot(xs, [r.tokens_s for r in runs], marker="o", label=variant)
         ax.set_xscale("log")
         ax.set_xlabel("link rate, Mbit/s (10000 = unshaped veth)")
@@ -288,8 +331,8 @@ def plot(results: list[Result], out: Path) -> None:
         ax.set_title(f"{mode}: throughput")
         ax.legend()
         ax = axes[1][col]
-        shaped = [r for r in results if r.mode == mode and r.rate != "unshaped"] or [r for r in results if r.mode == mode]
-        slowest = min(shaped, key=lambda r: float(r.rate) if r.rate != "unshaped" else float("inf"))
+        shaped = [r for r in results if r.mode == mode and link_settings(r.rate)[0] is not None] or [r for r in results if r.mode == mode]
+        slowest = min(shaped, key=lambda r: link_settings(r.rate)[0] or float("inf"))
         for variant in variants:
             run = find(results, mode, slowest.rate, variant)
             if run is None:
@@ -306,11 +349,11 @@ def plot(results: list[Result], out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", nargs="+", default=["50", "200", "1000", "unshaped"], help="link rates in Mbit/s, or 'unshaped'")
+    parser.add_argument("--rates", nargs="+", default=["50", "200", "1000", "unshaped", "200+2ms"],
+                        help="link cells: a rate in Mbit/s, 'unshaped', or a rate with added round-trip delay ('200+2ms')")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on each end (ms)")
     parser.add_argument("--render", type=Path, help="re-render the table and plots from a saved shaped_link.json")
     args = parser.parse_args()
     if args.render:
@@ -327,14 +370,14 @@ def main() -> int:
         print(f"compute alone: {compute_s:.2f} s/step", flush=True)
         port = 29700
         for rate in args.rates:
-            link.shape(None if rate == "unshaped" else float(rate), args.delay_ms)
+            link.shape(*link_settings(rate))
             for mode in args.modes:
                 for variant in args.variants:
                     port += 1
                     started = time.time()
-                    step_s, spread, curve, per_step, _ = run_pair(link, mode, variant, args.steps, workdir, port)
+                    step_s, spread, curve, per_step, (codec_s, wait_s, calls) = run_pair(link, mode, variant, args.steps, workdir, port)
                     tokens = 2 * 2 * 256  # 2 ranks x local batch 2 x 256 tokens (examples/llama3_debug_cpu.toml)
-                    results.append(Result(mode, variant, rate, step_s, spread, tokens / step_s, per_step, curve))
+                    results.append(Result(mode, variant, rate, step_s, spread, tokens / step_s, per_step, curve, codec_s, wait_s, calls))
                     print(f"  {mode:9s} {rate:>8s} {variant:5s}: {step_s:.2f} s/step, {tokens / step_s:.0f} tokens/s, "
                           f"{per_step / 2**20:.1f} MiB/step/direction ({time.time() - started:.0f} s)", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)

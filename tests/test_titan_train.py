@@ -85,6 +85,24 @@ def test_cuda_graph_pass_is_kept_away_from_the_gift_ops(runs):
     assert "cudagraph_pass" not in applied
 
 
+def test_overlap_and_the_time_meter_reach_the_final_graph_and_the_metrics(runs):
+    first = runs.first
+    # the overlap pass ran last, on the graph graph_trainer executes (after torchtitan's passes)
+    applied = first.applied_passes()
+    assert applied[-1] == "gift_overlap_pass" and "regional_inductor_pass" in applied
+    moved = [int(m) for m in re.findall(r"GIFT overlap: (\d+) gradient waits now come after", first.log)]
+    assert moved and min(moved) > 0
+    # the time meter: present every step, shares add up (codec + wait <= the graph's step, which
+    # is at most the wall time from one step's record to the next)
+    times = {r["step"]: r["time"] for r in first.records if "loss" in r}
+    for step in range(2, STEPS + 1):
+        codec, wait = first.series("gift/codec_s")[step], first.series("gift/comm_wait_s")[step]
+        share = first.series("gift/comm_share")[step]
+        assert codec > 0 and wait >= 0 and 0 < share <= 1
+        assert codec + wait <= times[step] - times[step - 1]
+    assert first.last("gift/collectives_per_step") > 0 and first.last("gift/collectives_per_step_traced") > 0
+
+
 def test_gradient_bytes_at_most_026x_fp32(runs):
     first = runs.first
     total, fp32 = first.last("gift/bytes_per_step"), first.last("gift/bytes_per_step_fp32")

@@ -1,0 +1,41 @@
+"""The time meter (``gift_compile/timing.py``): segments by kind, and where the ticks go."""
+
+import torch
+from torch import fx
+
+from gift_compile import timing
+
+
+def test_segments_are_attributed_to_the_kind_that_opened_them(monkeypatch):
+    clock = iter([0.0, 0.5, 0.6, 1.0, 10.0, 10.2, 10.3])  # a fake clock: what is measured, not how fast
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    t = timing.StepTimer()
+    for kind in ("compute", "codec", "wait", None):  # step 1: 0.5 compute, 0.1 codec, 0.4 wait
+        t.tick(kind)
+    for kind in ("codec", "compute", None):  # step 2: 0.2 codec, 0.1 compute
+        t.tick(kind)
+    per_step = t.take()
+    expected = {"codec": (0.1 + 0.2) / 2, "wait": 0.4 / 2, "compute": (0.5 + 0.1) / 2, "step": 1.3 / 2}
+    assert per_step.keys() == expected.keys()
+    assert all(abs(per_step[k] - v) < 1e-12 for k, v in expected.items())  # sums of floats: rounding only
+    assert t.take()["step"] == 0.0  # taken: reset
+
+
+def test_ticks_mark_every_change_of_kind():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(2)
+    y = graph.call_function(torch.ops.aten.relu.default, (x,))  # compute
+    codec = graph.call_function(torch.ops.aten.mul.Tensor, (y, 2.0))
+    codec.meta[timing.CODEC] = True
+    comm = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (codec, "sum", "0"))
+    comm.meta[timing.CODEC] = True
+    comm.meta["gift_gradient_comm"] = True
+    wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (comm,))
+    out = graph.call_function(torch.ops.aten.add.Tensor, (wait, y))  # compute again
+    graph.output(out)
+    assert timing.instrument(graph, "ns") == 5
+    kinds = [n.args[1] for n in graph.nodes if n.target is timing.tick]
+    assert kinds == ["compute", "codec", "wait", "compute", None]
+    order = [n for n in graph.nodes if n.op == "call_function"]
+    assert order.index(wait) == order.index(comm) + 2  # a tick between the collective and its wait
