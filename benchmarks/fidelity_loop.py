@@ -112,7 +112,21 @@ def fp4_codecs() -> list[Codec]:
     ]
 
 
-CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs}
+def stats_codecs() -> list[Codec]:
+    """GIFT with its statistics summed in fp32 or bf16 (``stats_dtype``), beside Euclidean FP8."""
+    fp8 = GiftConfig(layers=())
+    bf16 = fp8.replace(stats_dtype="bf16")
+    return [
+        Codec("Euclidean FP8", fp8, whitened=False),
+        Codec("Euclidean FP8 + EF", fp8.replace(euclidean_error_feedback=True), whitened=False),
+        Codec("GIFT, no EF, fp32 statistics", fp8.replace(error_feedback=False)),
+        Codec("GIFT, no EF, bf16 statistics", bf16.replace(error_feedback=False)),
+        Codec("GIFT, fp32 statistics", fp8),
+        Codec("GIFT, bf16 statistics", bf16),
+    ]
+
+
+CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs}
 
 
 def codecs() -> list[Codec]:
@@ -332,7 +346,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="WikiText-2 only, 60 steps")
     parser.add_argument("--codecs", choices=list(CODEC_SETS), default="defaults",
                         help="defaults: FP8 codecs and GIFT's settings; fp4: FP8 and FP4 wires, Euclidean / Hadamard / GIFT "
-                             "(writes fidelity_loop_fp4.md)")
+                             "(writes fidelity_loop_fp4.md); stats: GIFT's statistics in fp32 or bf16 (fidelity_loop_stats.md)")
     args = parser.parse_args()
     if args.quick:
         args.setups, args.steps = ["wikitext"], 60

@@ -306,6 +306,6 @@ def _dense_phase_bytes(shape: tuple[int, ...], world: int, dtype: str) -> int:
     return (world - 1) * (padded // world) * (2 if dtype == "bf16" else 4)
 
 
-def all_reduce_bytes(numel: int, world: int) -> int:
-    """Bytes one rank sends in a bandwidth-optimal fp32 all-reduce of ``numel`` floats (ring)."""
-    return 2 * _dense_phase_bytes((numel,), world, "fp32")
+def all_reduce_bytes(numel: int, world: int, dtype: str = "fp32") -> int:
+    """Bytes one rank sends in a bandwidth-optimal all-reduce of ``numel`` values (ring)."""
+    return 2 * _dense_phase_bytes((numel,), world, dtype)

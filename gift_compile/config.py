@@ -27,6 +27,7 @@ GiftDtype = Literal["fp8", "fp4"]
 EuclideanDtype = Literal["fp8", "fp4", "bf16", "fp32"]
 Fp4Format = Literal["nvfp4", "mxfp4"]
 GatherDtype = Literal["wire", "bf16"]
+StatsDtype = Literal["fp32", "bf16"]
 ScaleMode = Literal["per_rank", "global_max"]
 
 # Keys a [gift] table may still use, with the field that replaced them; and old values.
@@ -82,6 +83,11 @@ class GiftConfig:
     the transform can amplify directions with little input variance (whose estimate from one
     step's tokens is noisy) and keeps dead inputs finite; 1.0 measured best in the training
     loop (benchmarks/fidelity_loop.py), also for fresh factors."""
+
+    stats_dtype: StatsDtype = "fp32"
+    """Dtype of the current-step statistics on the wire (``d_in x low_rank`` per layer, summed over
+    the ranks): ``fp32``, or ``bf16`` at half the bytes (the sums round to 8 mantissa bits; every
+    rank still builds the same factors from the same summed bytes)."""
 
     stats_max_tokens: int | None = 8192
     """Tokens per rank used for the statistics of ``A`` (evenly strided subsample); ``None``: all."""
@@ -298,6 +304,7 @@ _LITERAL_FIELDS: dict[str, tuple[str, ...]] = {
     "euclidean_dtype": get_args(EuclideanDtype),
     "embedding_dtype": get_args(EuclideanDtype),
     "all_gather_dtype": get_args(GatherDtype),
+    "stats_dtype": get_args(StatsDtype),
     "scale_mode": get_args(ScaleMode),
 }
 

@@ -91,7 +91,9 @@ class LayerPlan:
 
     @property
     def stats_bytes(self) -> int:
-        return all_reduce_bytes(sketch_numel(self.d_in, self.low_rank), self.world) if self.current_step else 0
+        if not self.current_step:
+            return 0
+        return all_reduce_bytes(sketch_numel(self.d_in, self.low_rank), self.world, self.config.stats_dtype)
 
 
 class StateAccess(Protocol):
@@ -129,6 +131,8 @@ def issue_statistics(
         return token, None, None, None
     basis, scale = access.basis(plan, token)
     sketch = input_sketch(layer_input, basis, scale, plan.config.stats_max_tokens)
+    if plan.config.stats_dtype == "bf16":
+        sketch = sketch.to(torch.bfloat16)
     return token, c10d.all_reduce(sketch, "sum", plan.group_name), basis, scale
 
 
@@ -141,7 +145,8 @@ def reduce_layer(
     whitening, next_basis, next_scale = None, None, None
     if plan.whitened:
         if plan.current_step:
-            whitening, next_basis, next_scale = whitening_from_sketch(c10d.wait_tensor(sketch), basis, scale, plan.config.damping)
+            summed = c10d.wait_tensor(sketch).float()
+            whitening, next_basis, next_scale = whitening_from_sketch(summed, basis, scale, plan.config.damping)
         else:
             whitening = Whitening.from_list(plan.config.whitening_layout, access.factors(plan, token))
         whitening = whitening.or_identity(token)
