@@ -39,9 +39,11 @@ def test_an_empty_layer_list_survives_the_command_line(tmp_path):
     settings, _, document = launcher.check_job(launcher.load_job(job))
     section = launcher.parse_with_torchtitan(launcher.titan_args(document, settings)).gift
     assert to_gift_config(section).layers == ()
-    # and gift-titan's own flag for "no layers" (what the benchmarks' FP8 runs pass)
+    # and gift-titan's own flag for "no layers" (what the benchmarks' FP8 runs pass), planned
+    # through to the torchrun command (the model check reads it as the rank will)
     settings, _, document = launcher.check_job(launcher.load_job(job, ["--gift.layers="]))
     assert document["gift"]["layers"] == []
+    assert "--gift.layers " in launcher.plan([str(job), "--gift.layers=", "--dry-run"]).describe()
 
 
 def test_the_launcher_prints_no_warning_of_its_own_making(tmp_path, caplog):

@@ -236,13 +236,14 @@ def check_model(config) -> None:
     gift = getattr(config, "gift", None)
     if gift is None or not gift.enabled:
         return
-    from gift_compile.titan_integration.config import check_route
+    from gift_compile.titan_integration.config import check_route, to_gift_config
 
     try:
         check_route(gift, config.gift_route)
+        layers = to_gift_config(gift).layers  # the rank's own reading of the flags ("" is no layer)
     except ValueError as error:
         raise JobError(str(error)) from None
-    if list(gift.layers) == ["auto"]:
+    if layers == "auto":
         return
     from torch import nn
 
@@ -253,7 +254,7 @@ def check_model(config) -> None:
     with torch.device("meta"):
         model = model_config.build()
     try:
-        check_patterns([name for name, module in model.named_modules() if isinstance(module, nn.Linear)], list(gift.layers))
+        check_patterns([name for name, module in model.named_modules() if isinstance(module, nn.Linear)], layers)
     except ValueError as error:
         raise JobError(f"[gift] layers: {error}") from None
 
