@@ -16,9 +16,15 @@ with a flag, e.g. for a GPU):
   (``4 tokens d_in r``), at ``gemm_tflops``;
 * compute: ``6 P tokens`` flops at ``peak x MFU``.
 
-Without overlap a step is compute + communication + codec; with overlap (communication
-hidden behind the backward, as FSDP/DDP buckets do) it is ``max(compute, communication) +
-codec``: the codec and GIFT's GEMMs run on the compute stream.
+Without overlap a step is compute + communication + codec; with perfect overlap
+(communication hidden behind the backward) it is ``max(compute, communication) + codec``: the
+codec and GIFT's GEMMs run on the compute stream. Between the two lies what the project's
+scheduler achieves: the *measured overlap efficiency* ``e``, the share of
+``min(compute, communication)`` actually hidden, read from benchmarks/shaped_link.py's saved
+results (two CPU "nodes" on a shaped link; per FP8/GIFT cell ``e = (serial - step) / (serial -
+ideal)`` with ``serial = compute + codec + wire`` and ``ideal = max(compute + codec, wire)``;
+the median over the cells), gives ``serial - e * min(compute, communication)``. FP4 sends 4.5
+bits a value (NVFP4) through a codec of its own rate.
 
     python benchmarks/projection.py                     # measures the codec and GEMM rates on this CPU
     python benchmarks/projection.py --codec-gbps 800 --gemm-tflops 400   # H100-class figures instead
@@ -27,8 +33,11 @@ codec``: the codec and GIFT's GEMMs run on the compute stream.
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tabulate import tabulate
@@ -58,6 +67,7 @@ MODELS = {
     "llama3 8B": llama("Llama-3 8B (attention projections whitened)", 4096, 32, 14336, 1024, 128256, ("wq", "wk", "wv", "wo")),
 }
 PAPER_SELECTED_BLOCKS = 13  # the paper whitens w2 of 13 of the 24 blocks
+SHAPED_LINK = Path(__file__).resolve().parent / "results" / "shaped_link.json"
 
 
 @dataclass(frozen=True)
@@ -76,15 +86,34 @@ SCENARIOS = [
     (MODELS["llama3 8B"], Cluster("8 H100, 400 Gbit/s each", 8, 400, 8192)),
     (MODELS["llama3 8B"], Cluster("64 H100, 400 Gbit/s each", 64, 400, 8192)),
 ]
-PATHS = ("fp32", "bf16", "FP8", "GIFT")
+PATHS = ("fp32", "bf16", "FP8", "GIFT", "FP4", "GIFT-FP4")
+BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "FP8": 1, "GIFT": 1, "FP4": 0.5625, "GIFT-FP4": 0.5625}
 
 
-def measure_codec_gbps(numel: int = 1 << 24) -> float:
-    """GB/s of fp32 gradient through a compiled FP8 quantize + dequantize on this machine."""
+def measured_overlap_efficiency(path: Path = SHAPED_LINK) -> tuple[float, str]:
+    """The share of ``min(compute + codec, wire)`` that shaped_link.py's FP8 and GIFT runs hid
+    (median over their shaped cells without added delay), and where it came from."""
+    raw = json.loads(path.read_text())
+    shares = []
+    for r in raw["results"]:
+        rate, _, delay = r["rate"].partition("+")
+        if r["variant"] not in ("fp8", "gift") or rate == "unshaped" or delay:
+            continue
+        busy, wire = raw["compute_s"] + r["codec_s"], r["bytes_per_step"] * 8 / (float(rate) * 1e6)
+        serial, ideal = busy + wire, max(busy, wire)
+        shares.append(min(max((serial - r["step_s"]) / (serial - ideal), 0.0), 1.0))
+    if not shares:
+        raise ValueError(f"{path} has no shaped FP8/GIFT cell to measure overlap from; run benchmarks/shaped_link.py")
+    return statistics.median(shares), f"measured: median of {len(shares)} FP8/GIFT cells of {path.name}"
+
+
+def measure_codec_gbps(wire: str = "fp8", numel: int = 1 << 24) -> float:
+    """GB/s of fp32 gradient through a compiled quantize + dequantize on this machine."""
+    from gift_compile.fp4 import fp4_round_trip
     from gift_compile.numerics import dequantize, quantize
 
-    fn = torch.compile(lambda x: dequantize(*quantize(x, "e4m3"), "e4m3"))
-    x = torch.randn(numel)
+    fn = torch.compile((lambda x: dequantize(*quantize(x, "e4m3"), "e4m3")) if wire == "fp8" else (lambda x: fp4_round_trip(x, "nvfp4")))
+    x = torch.randn(4096, numel // 4096)
     fn(x)
     start = time.perf_counter()
     for _ in range(3):
@@ -102,15 +131,17 @@ def measure_gemm_tflops(d: int = 2048, r: int = 32) -> float:
     return 10 * 2 * d * d * r / (time.perf_counter() - start) / 1e12
 
 
-def project(model: Model, cluster: Cluster, path: str, codec_gbps: float, gemm_tflops: float, rank: int = 32) -> dict:
+def project(model: Model, cluster: Cluster, path: str, codec_gbps: dict[str, float], gemm_tflops: float, rank: int = 32,
+            efficiency: float = 1.0) -> dict:
+    """Step-time components of ``path``; ``codec_gbps`` maps a wire ("fp8", "fp4") to its codec rate."""
     n, bandwidth = cluster.gpus, cluster.gbit_per_gpu * 1e9 / 8
-    element_bytes = {"fp32": 4, "bf16": 2, "FP8": 1, "GIFT": 1}[path]
-    grad_bytes = model.params * element_bytes
+    grad_bytes = model.params * BYTES_PER_ELEMENT[path]
     comm = 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6  # all-reduce: ring
     codec = gemms = 0.0
-    if path in ("FP8", "GIFT"):
-        codec = 2 * model.params * 4 / (codec_gbps * 1e9)  # quantize and dequantize (both all-reduce phases)
-    if path == "GIFT":
+    if path not in ("fp32", "bf16"):
+        wire = "fp4" if path.endswith("FP4") else "fp8"
+        codec = 2 * model.params * 4 / (codec_gbps[wire] * 1e9)  # quantize and dequantize (both all-reduce phases)
+    if path.startswith("GIFT"):
         stats = flops = 0.0
         for kind in model.selected:
             d_out, d_in, count = model.linear_shapes[kind]
@@ -123,33 +154,44 @@ def project(model: Model, cluster: Cluster, path: str, codec_gbps: float, gemm_t
     compute = 6 * model.params * cluster.tokens_per_gpu / (cluster.peak_tflops * 1e12 * cluster.mfu)
     serial = compute + comm + codec + gemms
     overlapped = max(compute, comm) + codec + gemms
-    return {"compute": compute, "comm": comm, "codec": codec + gemms, "serial": serial, "overlapped": overlapped}
+    measured = serial - efficiency * min(compute, comm)
+    return {"compute": compute, "comm": comm, "codec": codec + gemms, "serial": serial, "overlapped": overlapped, "measured": measured}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--codec-gbps", type=float, help="GB/s of fp32 gradient through FP8 quantize+dequantize (default: measured here)")
     parser.add_argument("--gemm-tflops", type=float, help="TFLOP/s of the rank-32 whitening GEMMs (default: measured here)")
+    parser.add_argument("--fp4-codec-gbps", type=float, help="the same for the NVFP4 codec (default: measured here)")
     parser.add_argument("--rank", type=int, default=32, help="GIFT's low rank")
+    parser.add_argument("--overlap-efficiency", type=float,
+                        help="share of min(compute, communication) hidden (default: measured by shaped_link.py, see the docstring)")
     args = parser.parse_args()
-    codec, codec_label = (args.codec_gbps, "assumed (flag)") if args.codec_gbps else (measure_codec_gbps(), "measured on this CPU")
+    codec, codec_label = (args.codec_gbps, "assumed (flag)") if args.codec_gbps else (measure_codec_gbps("fp8"), "measured on this CPU")
+    fp4, fp4_label = (args.fp4_codec_gbps, "assumed (flag)") if args.fp4_codec_gbps else (measure_codec_gbps("fp4"), "measured on this CPU")
     gemm, gemm_label = (args.gemm_tflops, "assumed (flag)") if args.gemm_tflops else (measure_gemm_tflops(), "measured on this CPU")
+    efficiency, efficiency_label = ((args.overlap_efficiency, "assumed (flag)") if args.overlap_efficiency is not None
+                                    else measured_overlap_efficiency())
     print("inputs:")
     print(f"  FP8 codec (quantize + dequantize): {codec:.2f} GB/s of fp32 gradient  [{codec_label}]")
+    print(f"  NVFP4 codec (quantize + dequantize): {fp4:.2f} GB/s of fp32 gradient  [{fp4_label}]")
     print(f"  whitening GEMMs (d x d by d x {args.rank}): {gemm:.3f} TFLOP/s  [{gemm_label}]")
+    print(f"  overlap efficiency: {efficiency:.2f} of min(compute, communication) hidden  [{efficiency_label}]")
     for model, cluster in SCENARIOS:
         print(f"\n{model.name}: {model.params / 1e9:.2f}B parameters; {cluster.name}; {cluster.tokens_per_gpu} tokens/GPU/step")
         print(f"  assumed: compute at {cluster.peak_tflops:.0f} TFLOP/s x MFU {cluster.mfu}; ring all-reduce of the gradients; "
               f"alpha {cluster.alpha_us:.0f} us per hop; GIFT statistics d_in x {args.rank} fp32 per whitened layer")
         rows, fp32 = [], None
         for path in PATHS:
-            t = project(model, cluster, path, codec, gemm, args.rank)
+            t = project(model, cluster, path, {"fp8": codec, "fp4": fp4}, gemm, args.rank, efficiency)
             fp32 = fp32 or t
             rows.append([path, f"{t['compute'] * 1e3:.0f}", f"{t['comm'] * 1e3:.0f}", f"{t['codec'] * 1e3:.0f}",
                          f"{t['serial'] * 1e3:.0f}", f"{t['comm'] / t['serial']:.0%}", f"{fp32['serial'] / t['serial']:.2f}x",
-                         f"{t['overlapped'] * 1e3:.0f}", f"{fp32['overlapped'] / t['overlapped']:.2f}x"])
+                         f"{t['overlapped'] * 1e3:.0f}", f"{fp32['overlapped'] / t['overlapped']:.2f}x",
+                         f"{t['measured'] * 1e3:.0f}", f"{fp32['measured'] / t['measured']:.2f}x"])
         print(tabulate(rows, headers=["gradients", "compute ms", "comm ms", "codec+GEMM ms", "step ms (serial)", "comm share",
-                                      "speed-up", "step ms (overlap)", "speed-up (overlap)"]))
+                                      "speed-up", "step ms (overlap)", "speed-up (overlap)", "step ms (measured overlap)",
+                                      "speed-up (measured overlap)"]))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ is missing. The namespaces it creates are always removed, also on Ctrl-C or a cr
     sudo python benchmarks/shaped_link.py                      # 50, 200, 1000 Mbit/s, unshaped, 200 Mbit/s + 2 ms RTT
     sudo python benchmarks/shaped_link.py --rates 100 --modes replicate --steps 8
     sudo python benchmarks/shaped_link.py --variants fp8 gift fp4 gift_fp4 --rates 50 200
+    sudo python benchmarks/shaped_link.py --variants fp4 gift_fp4 --rates 50 --merge   # add cells to the saved table
     python benchmarks/shaped_link.py --render benchmarks/results/shaped_link.json    # the table again
 """
 
@@ -143,6 +144,14 @@ class ShapedLink:
                 burst = max(int(rate_mbit * 1e6 / 8 / 100), 32 * 1024)  # 10 ms of traffic, at least 32 KiB
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, *parent, "tbf", "rate", f"{rate_mbit}mbit",
                      "burst", str(burst), "latency", "100ms")
+
+    def can_delay(self) -> bool:
+        """Whether this kernel has netem (``sch_netem``), which the delay cells need."""
+        ns, device = self.namespaces[0], self.devices[0]
+        added = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, "root", "netem", "delay", "1ms"],
+                               capture_output=True).returncode == 0
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", device, "root"], capture_output=True)
+        return added
 
     def tx_bytes(self, side: int) -> int:
         out = subprocess.run(["ip", "netns", "exec", self.namespaces[side], "cat", f"/sys/class/net/{self.devices[side]}/statistics/tx_bytes"],
@@ -355,6 +364,9 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
     parser.add_argument("--render", type=Path, help="re-render the table and plots from a saved shaped_link.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="add this run's cells to benchmarks/results/shaped_link.json (replacing cells measured again) "
+                             "instead of starting a new table")
     args = parser.parse_args()
     if args.render:
         render(json.loads(args.render.read_text()))
@@ -364,12 +376,20 @@ def main() -> int:
         print("shaped_link.py cannot run here; it needs:\n  - " + "\n  - ".join(missing), file=sys.stderr)
         return 2
     results: list[Result] = []
+    raw: dict = {}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    previous = json.loads((RESULTS / "shaped_link.json").read_text()) if args.merge and (RESULTS / "shaped_link.json").exists() else None
     with tempfile.TemporaryDirectory() as tmp, ShapedLink() as link:
+        rates = args.rates
+        if any(link_settings(rate)[1] for rate in rates) and not link.can_delay():
+            rates = [rate for rate in rates if not link_settings(rate)[1]]
+            print(f"warning: this kernel has no netem qdisc (sch_netem), so the delay cells "
+                  f"{[r for r in args.rates if r not in rates]} are not run", file=sys.stderr, flush=True)
         workdir = Path(tmp)
         compute_s = compute_only(args.steps, workdir)
         print(f"compute alone: {compute_s:.2f} s/step", flush=True)
         port = 29700
-        for rate in args.rates:
+        for rate in rates:
             link.shape(*link_settings(rate))
             for mode in args.modes:
                 for variant in args.variants:
@@ -380,11 +400,21 @@ def main() -> int:
                     results.append(Result(mode, variant, rate, step_s, spread, tokens / step_s, per_step, curve, codec_s, wait_s, calls))
                     print(f"  {mode:9s} {rate:>8s} {variant:5s}: {step_s:.2f} s/step, {tokens / step_s:.0f} tokens/s, "
                           f"{per_step / 2**20:.1f} MiB/step/direction ({time.time() - started:.0f} s)", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    raw = {"compute_s": compute_s, "results": [dataclasses.asdict(r) for r in results]}
-    (RESULTS / "shaped_link.json").write_text(json.dumps(raw))
-    render(raw)
+                    # saved after every run: a crash or Ctrl-C keeps what was measured
+                    raw = {"compute_s": compute_s, "results": [dataclasses.asdict(r) for r in results]}
+                    raw = merged(previous, raw) if previous else raw
+                    (RESULTS / "shaped_link.json").write_text(json.dumps(raw))
+    if raw:
+        render(raw)
     return 0
+
+
+def merged(old: dict, new: dict) -> dict:
+    """``new``'s cells added to ``old``'s; a cell measured in both keeps ``new``'s figures. The
+    compute-only time is ``old``'s, so that every limit in one table uses one baseline."""
+    key = lambda r: (r["mode"], r["rate"], r["variant"])
+    fresh = {key(r) for r in new["results"]}
+    return {"compute_s": old["compute_s"], "results": [r for r in old["results"] if key(r) not in fresh] + new["results"]}
 
 
 def render(raw: dict) -> None:

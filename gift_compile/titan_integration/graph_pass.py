@@ -100,16 +100,33 @@ def compile_codec_regions(graph: fx.Graph) -> int:
     """Tag the codec's tensor arithmetic for graph_trainer's ``regional_inductor_pass``, which
     compiles tagged regions with Inductor (fused, bit for bit the eager numerics) while the rest
     of the joint graph runs as FX Python. Collectives, waits and ``gift::`` ops stay outside, so
-    the overlap pass can still move them; each layer's encode and decode become regions of
-    their own (a region cannot span a collective: that would be a cycle). Returns the nodes tagged."""
-    tagged = 0
-    for node in graph.nodes:
-        if node.meta.get(timing.CODEC) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-                and node.target.namespace in ("aten", "prims"):
-            custom = node.meta.setdefault("custom", {})
-            custom["compile_with_inductor"] = {"inductor_region": "gift_codec"}
-            tagged += 1
-    return tagged
+    the overlap pass can still move them. Returns the nodes tagged.
+
+    Each connected piece of codec arithmetic (one layer's encode, or its decode with the next
+    phase's encode) is a region of its own. Under one shared region name the partitioner would
+    fuse every piece it can without a cycle, e.g. layer k's decode (after k's wait) with layer
+    j's encode (before j's collective): the fused call runs after k's wait, so j's bytes could
+    not leave before k's arrived and the communication would run serially after all."""
+    codec = [node for node in graph.nodes
+             if node.meta.get(timing.CODEC) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+             and node.target.namespace in ("aten", "prims")]
+    parent = {node: node for node in codec}
+
+    def root(node: fx.Node) -> fx.Node:
+        while parent[node] is not node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for node in codec:
+        for used in node.all_input_nodes:
+            if used in parent:
+                parent[root(used)] = root(node)
+    regions: dict[fx.Node, str] = {}
+    for node in codec:
+        name = regions.setdefault(root(node), f"gift_codec_{len(regions)}")
+        node.meta.setdefault("custom", {})["compile_with_inductor"] = {"inductor_region": name}
+    return len(codec)
 
 
 def _dense_wire(dtype: torch.dtype) -> WireFormat:
