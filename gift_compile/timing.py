@@ -81,6 +81,11 @@ def tick(namespace: str, kind: str | None, device: torch.device | None = None) -
 torch.fx.node.has_side_effect(tick)  # no output: dead-code elimination must keep it
 
 
+def gradient_waits(graph: fx.Graph) -> set[fx.Node]:
+    """The waits of the gradient collectives the GIFT pass marked."""
+    return {u for n in graph.nodes if n.meta.get(GRADIENT_COMM) for u in n.users if u.target is WAIT}
+
+
 def kind_of(node: fx.Node, gradient_waits: set[fx.Node]) -> str:
     if node in gradient_waits:
         return "wait"
@@ -90,7 +95,7 @@ def kind_of(node: fx.Node, gradient_waits: set[fx.Node]) -> str:
 def instrument(graph: fx.Graph, namespace: str) -> int:
     """Insert a ``tick`` before every node whose kind differs from the previous node's, and at
     the end; returns the number of ticks. For graphs that run as ordered (not through Inductor)."""
-    waits = {u for n in graph.nodes if n.meta.get(GRADIENT_COMM) for u in n.users if u.target is WAIT}
+    waits = gradient_waits(graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     device = next((n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
     ticks, previous = 0, None
@@ -105,4 +110,4 @@ def instrument(graph: fx.Graph, namespace: str) -> int:
     return ticks
 
 
-__all__ = ["CODEC", "KINDS", "StepTimer", "instrument", "tick", "timer"]
+__all__ = ["CODEC", "KINDS", "StepTimer", "gradient_waits", "instrument", "tick", "timer"]

@@ -8,7 +8,8 @@ from torch import fx
 from torch.fx.passes.regional_inductor import _create_inductor_marked_regions
 
 from gift_compile import timing
-from gift_compile.titan_integration.graph_pass import compile_codec_regions
+from gift_compile.passes.overlap import GRADIENT_COMM
+from gift_compile.titan_integration.graph_pass import compile_codec_regions, keep_codec_marks
 
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
@@ -25,13 +26,16 @@ def two_layer_graph() -> fx.GraphModule:
             n.meta[timing.CODEC] = True
         return n
 
-    grads = [graph.placeholder(f"g{k}") for k in range(2)]
-    for g in grads:
-        g.meta["val"] = torch.empty(8)
+    inputs = [graph.placeholder(f"x{k}") for k in range(2)]
+    for x in inputs:
+        x.meta["val"] = torch.empty(8)
+    grads = [node(aten.relu.default, x) for x in inputs]  # the backward's compute
     sent = [node(aten.mul.Tensor, g, 2.0, codec=True) for g in grads[:1]]
     comms = [node(c10d.all_to_all_single.default, sent[0], [4, 4], [4, 4], "0")]
     sent.append(node(aten.mul.Tensor, grads[1], 2.0, codec=True))
     comms.append(node(c10d.all_to_all_single.default, sent[1], [4, 4], [4, 4], "0"))
+    for c in comms:  # as the GIFT pass marks them
+        c.meta[timing.CODEC] = c.meta[GRADIENT_COMM] = True
     decoded = [node(aten.add.Tensor, node(c10d.wait_tensor.default, c), 1.0, codec=True) for c in comms]
     graph.output(tuple(decoded))
     return fx.GraphModule(torch.nn.Module(), graph)
@@ -67,5 +71,19 @@ def test_each_collective_needs_only_its_own_gradient():
     assert len(collectives) == 2
     for k, collective in enumerate(collectives):
         needs = upstream(collective)
-        assert [n.name for n in needs if n.op == "placeholder"] == [f"g{k}"]
+        assert [n.name for n in needs if n.op == "placeholder"] == [f"x{k}"]
         assert not [n for n in needs if n.target is c10d.wait_tensor.default]
+
+
+def test_the_time_meter_counts_compiled_regions_as_codec():
+    """The calls that replace the tagged arithmetic carry no meta of their own; the wrapped
+    pass marks them, so the meter's ``codec`` segments include the compiled codec and its
+    ``compute`` segments only the backward's own nodes."""
+    gm = two_layer_graph()
+    compile_codec_regions(gm.graph)
+    fused = keep_codec_marks(_create_inductor_marked_regions)(gm)
+    waits = timing.gradient_waits(fused.graph)
+    kinds = {n: timing.kind_of(n, waits) for n in fused.graph.nodes if n.op in ("call_function", "call_module")}
+    regions = [n for n in kinds if n.op == "call_module"]
+    assert len(regions) == 4 and all(kinds[n] == "codec" for n in regions), kinds
+    assert [n.target for n, kind in kinds.items() if kind == "compute"] == [aten.relu.default] * 2

@@ -129,6 +129,32 @@ def compile_codec_regions(graph: fx.Graph) -> int:
     return len(codec)
 
 
+def keep_codec_marks(regional_pass):
+    """``regional_pass`` (graph_trainer's regional Inductor) such that the time meter still
+    knows the codec: the compiled calls (and their ``getitem`` outputs) that replace GIFT's
+    tagged arithmetic carry no meta of their own, so a new node is marked as codec when it
+    reads from or feeds a codec node or a gradient wait (repeated until nothing changes: a
+    region may feed another). A region of someone else's next to GIFT's would be counted as
+    codec too; graph_trainer's own regions (FlexAttention) touch no gradient collective."""
+
+    def run(gm: fx.GraphModule, *args, **kwargs) -> fx.GraphModule:
+        before = {n.name for n in gm.graph.nodes}  # by name: the pass may rebuild the graph from copies
+        gm = regional_pass(gm, *args, **kwargs)
+        waits = timing.gradient_waits(gm.graph)
+        new = [n for n in gm.graph.nodes if n.name not in before and n.op in ("call_function", "call_module")]
+        changed = True
+        while changed:
+            changed = False
+            for node in new:
+                if not node.meta.get(timing.CODEC) and any(
+                        x.meta.get(timing.CODEC) or x in waits for x in (*node.all_input_nodes, *node.users)):
+                    node.meta[timing.CODEC] = changed = True
+        return gm
+
+    run.__name__ = getattr(regional_pass, "func", regional_pass).__name__  # the pass keeps its name in graph_trainer's log
+    return run
+
+
 def _dense_wire(dtype: torch.dtype) -> WireFormat:
     return WireFormat("bf16" if dtype == torch.bfloat16 else "fp32")
 
@@ -220,6 +246,7 @@ def gift_pass_pipeline(traced_result, config, *, parallel_dims=None) -> list:
     gift = getattr(config, "gift", None)
     if gift is None or not gift.enabled:
         return passes
+    passes = [keep_codec_marks(p) if getattr(p, "func", p).__name__ == "regional_inductor_pass" else p for p in passes]
     return [functools.partial(gift_joint_graph_pass, namespace=NAMESPACE), *passes,
             functools.partial(gift_overlap_pass, namespace=NAMESPACE)]
 
