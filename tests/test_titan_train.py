@@ -110,6 +110,8 @@ def test_gradient_bytes_at_most_026x_fp32(runs):
     assert fp32 == pytest.approx(6_160_000 * 4 / 2, rel=0.02)
     assert total / fp32 <= 0.26, (total, fp32)  # gradient payload; the statistics are counted apart
     assert first.last("gift/total_bytes_ratio_vs_fp32") > total / fp32
+    # the Linear weights alone: every one on a 1-byte wire (GIFT or Euclidean FP8), 4 bytes in fp32
+    assert first.last("gift/linear_bytes_ratio_vs_fp32") == pytest.approx(0.25, abs=0.005)
 
 
 def test_checkpoint_restores_gift_state(runs):

@@ -54,6 +54,8 @@ class GraphAccounting:
     """The same for the Linear weight gradients alone."""
     untouched_bytes: int = 0
     """What the collectives the pass left alone send (norm weights, fp32 paths)."""
+    untouched_linear_bytes: int = 0
+    """The part of it that is Linear weight gradients (fp32 paths: no counter records them)."""
     collectives: int = 0
     rewritten_gift: list[str] = field(default_factory=list)
     rewritten_euclidean: list[str] = field(default_factory=list)
@@ -194,7 +196,9 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
     for g in found:
         if id(g.collective) not in done:
             val = g.collective.args[0].meta["val"]
-            accounting.untouched_bytes += bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.collective_type)
+            nbytes = bytes_sent(tuple(val.shape), gc.world_size(g), _dense_wire(val.dtype), g.collective_type)
+            accounting.untouched_bytes += nbytes
+            accounting.untouched_linear_bytes += nbytes if g.fqn is not None else 0
     gc.apply_rewrites(graph, rewrites, ctx.config, namespace)
     if ctx.compile_codec:
         compile_codec_regions(graph)

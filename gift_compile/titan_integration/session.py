@@ -187,8 +187,8 @@ class GiftSession:
         out["gift/stats_bytes_per_step"] = stats
         out["gift/total_bytes_ratio_vs_fp32"] = (total + stats) / accounting.fp32_bytes if accounting.fp32_bytes else None
         linear = set(accounting.linear_candidates)
-        linear_bytes = sum(c.bytes_sent / c.steps for key, c in self.runtime.counters.items()
-                           if c.steps and key.partition("@")[0].partition("#")[0] in linear)
+        linear_bytes = accounting.untouched_linear_bytes + sum(
+            c.bytes_sent / c.steps for key, c in self.runtime.counters.items() if c.steps and key.partition("@")[0].partition("#")[0] in linear)
         out["gift/linear_bytes_ratio_vs_fp32"] = linear_bytes / accounting.linear_fp32_bytes if accounting.linear_fp32_bytes else None
         out["gift/layers"] = len(self.chosen)
         out["gift/refreshes"] = sum(c.refreshes for c in self.runtime.counters.values())
