@@ -93,15 +93,16 @@ BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "FP8": 1, "GIFT": 1, "FP4": 0.5625, "
 def measured_overlap_efficiency(path: Path = SHAPED_LINK) -> tuple[float, str]:
     """The share of ``min(compute + codec, wire)`` that shaped_link.py's FP8 and GIFT runs hid
     (median over their shaped cells without added delay), and where it came from."""
+    from shaped_link import Result, limit_s, link_settings, wire_s
+
     raw = json.loads(path.read_text())
     shares = []
-    for r in raw["results"]:
-        rate, _, delay = r["rate"].partition("+")
-        if r["variant"] not in ("fp8", "gift") or rate == "unshaped" or delay:
+    for r in (Result(**r) for r in raw["results"]):
+        mbit, delay = link_settings(r.rate)
+        if r.variant not in ("fp8", "gift") or mbit is None or delay:
             continue
-        busy, wire = raw["compute_s"] + r["codec_s"], r["bytes_per_step"] * 8 / (float(rate) * 1e6)
-        serial, ideal = busy + wire, max(busy, wire)
-        shares.append(min(max((serial - r["step_s"]) / (serial - ideal), 0.0), 1.0))
+        serial, ideal = raw["compute_s"] + r.codec_s + wire_s(r), limit_s(r, raw["compute_s"])
+        shares.append(min(max((serial - r.step_s) / (serial - ideal), 0.0), 1.0))
     if not shares:
         raise ValueError(f"{path} has no shaped FP8/GIFT cell to measure overlap from; run benchmarks/shaped_link.py")
     return statistics.median(shares), f"measured: median of {len(shares)} FP8/GIFT cells of {path.name}"

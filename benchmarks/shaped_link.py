@@ -257,11 +257,15 @@ def rate_label(rate: str) -> str:
     return base + (f" + {2 * delay:g} ms RTT" if delay else "")
 
 
+def wire_s(result: Result) -> float:
+    """Seconds the bytes carried per step and direction take at the link's rate (0 unshaped)."""
+    mbit, _ = link_settings(result.rate)
+    return result.bytes_per_step * 8 / (mbit * 1e6) if mbit else 0.0
+
+
 def limit_s(result: Result, compute_s: float) -> float:
     """What the link and the CPU allow: the compute with the codec, or the wire, whichever is longer."""
-    mbit, _ = link_settings(result.rate)
-    wire = result.bytes_per_step * 8 / (mbit * 1e6) if mbit else 0.0
-    return max(compute_s + result.codec_s, wire)
+    return max(compute_s + result.codec_s, wire_s(result))
 
 
 def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str:

@@ -158,7 +158,7 @@ def _downstream_layer(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     return {n: next(iter(fqns)) if len(fqns) == 1 else "*" for n, fqns in layers.items()}
 
 
-def _ancestors(node: fx.Node) -> set[fx.Node]:
+def ancestors(node: fx.Node) -> set[fx.Node]:
     seen, stack = set(), [node]
     while stack:
         for inp in stack.pop().all_input_nodes:
@@ -193,7 +193,7 @@ def _gradient_mms(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     index = {n: i for i, n in enumerate(nodes)}
     found = {}
     for fqn, op in last_op.items():
-        mms = [n for n in _ancestors(op) if n.target is torch.ops.aten.mm.default and n not in inserted]
+        mms = [n for n in ancestors(op) if n.target is torch.ops.aten.mm.default and n not in inserted]
         if mms:
             found[max(mms, key=index.__getitem__)] = fqn
     return found

@@ -7,6 +7,8 @@ import torch
 from torch import fx
 from torch.fx.passes.regional_inductor import _create_inductor_marked_regions
 
+from graph_render import ancestors
+
 from gift_compile import timing
 from gift_compile.passes.overlap import GRADIENT_COMM
 from gift_compile.titan_integration.graph_pass import compile_codec_regions, keep_codec_marks
@@ -41,16 +43,6 @@ def two_layer_graph() -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def upstream(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for used in stack.pop().all_input_nodes:
-            if used not in seen:
-                seen.add(used)
-                stack.append(used)
-    return seen
-
-
 def test_each_layer_codec_is_a_region_of_its_own():
     gm = two_layer_graph()
     assert compile_codec_regions(gm.graph) == 4
@@ -70,7 +62,7 @@ def test_each_collective_needs_only_its_own_gradient():
     collectives = [n for n in fused.graph.nodes if n.target is c10d.all_to_all_single.default]
     assert len(collectives) == 2
     for k, collective in enumerate(collectives):
-        needs = upstream(collective)
+        needs = ancestors(collective)
         assert [n.name for n in needs if n.op == "placeholder"] == [f"x{k}"]
         assert not [n for n in needs if n.target is c10d.wait_tensor.default]
 
