@@ -52,30 +52,41 @@ def fp4_format(name: str) -> Fp4Format:
         raise ValueError(f"unknown FP4 format {name!r}; allowed values: {list(FP4_FORMATS)}") from None
 
 
+# The midpoints between neighbouring E2M1 magnitudes, each with whether a value exactly on it
+# rounds up: a tie goes to the even code (the upper neighbour's code is even where True).
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """Codes (``uint8``, 0..15: sign << 3 | index) of fp32 values already divided by their scale."""
-    magnitude = v.abs().clamp_max(E2M1_MAX)
-    step = torch.where(magnitude < 2.0, 0.5, torch.where(magnitude < 4.0, 1.0, 2.0))  # the grid's spacing there
-    q = (torch.round(magnitude / step) * step).clamp_max(E2M1_MAX)
-    index = torch.where(q < 2.0, q * 2, torch.where(q < 4.0, q + 2, q / 2 + 4))
-    index = torch.nan_to_num(index, nan=0.0)  # a NaN value: its block's scale is NaN (see encode)
-    return index.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+    """Codes (0..15 as fp32: sign * 8 + index) of fp32 values already divided by their scale.
+
+    The index counts the midpoints a magnitude lies above (so it saturates at 6, and a NaN,
+    above none, gets code 0: its block's scale is NaN, see encode). Codes stay fp32 until they
+    are packed: compares and adds in fp32 vectorize on every backend, uint8 bit arithmetic
+    did not (6x slower on CPU Inductor)."""
+    magnitude = v.abs()
+    index = sum(((magnitude >= m) if up else (magnitude > m)).float() for m, up in _MIDPOINTS)
+    return index + (1 - torch.copysign(torch.ones_like(v), v)) * 4  # + 8 where the sign bit is set, as signbit
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of ``e2m1_codes``."""
-    index = (codes & 7).float()
-    magnitude = torch.where(index < 4, index * 0.5, torch.where(index < 6, index - 2, (index - 4) * 2))
-    return torch.where((codes & 8) > 0, -magnitude, magnitude)
+    negative = codes >= 8
+    index = codes - negative.float() * 8
+    magnitude = torch.where(index < 4, index * 0.5, torch.where(index < 6, index - 2, index * 2 - 8))
+    return torch.where(negative, -magnitude, magnitude)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
-    """Two codes per byte along the last dimension (even element in the low nibble)."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+    """Two codes per byte (``uint8``) along the last dimension (even element in the low nibble)."""
+    return (codes[..., 0::2] + codes[..., 1::2] * 16).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    """The fp32 codes of :func:`pack`'s bytes."""
+    packed = packed.float()
+    high = torch.floor(packed * (1 / 16))
+    return torch.stack([packed - high * 16, high], dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def padded_numel(numel: int, fmt: Fp4Format) -> int:
@@ -129,7 +140,7 @@ def encode(chunks: torch.Tensor, fmt: Fp4Format) -> tuple[torch.Tensor, torch.Te
     # A block whose scale rounded to 0 (far below the tensor's largest block) sends zeros.
     codes = e2m1_codes(blocks / torch.where(scales > 0, scales, 1.0)[..., None])
     sent = e2m1_values(codes) * scales[..., None]
-    hits = torch.stack([((codes & 7) == 7).sum(), ((sent == 0) & (blocks != 0)).sum()]).float()
+    hits = torch.stack([((codes == 7) | (codes == 15)).sum(), ((sent == 0) & (blocks != 0)).sum()]).float()
     parts = [pack(codes.reshape(n, -1)), scale_bytes.reshape(n, -1)] + ([tail] if tail is not None else [])
     sent = sent.reshape(n, -1)[:, : chunks[0].numel()].reshape(chunks.shape)
     return torch.cat(parts, dim=1), sent, hits

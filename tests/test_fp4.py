@@ -23,9 +23,10 @@ def test_e2m1_rounds_every_grid_point_and_midpoint_as_the_definition_says():
 
 
 def test_codes_pack_two_per_byte_and_back():
-    codes = torch.randint(0, 16, (3, 40), dtype=torch.uint8)
+    codes = torch.randint(0, 16, (3, 40)).float()
     packed = fp4.pack(codes)
-    assert packed.shape == (3, 20) and torch.equal(fp4.unpack(packed), codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 20) and torch.equal(fp4.unpack(packed), codes)
+    assert packed[0, 0] == codes[0, 0] + 16 * codes[0, 1]  # the even element in the low nibble
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
