@@ -180,12 +180,28 @@ def message_bytes(lay: Layout, wire: WireFormat) -> int:
     return lay.chunk_numel + _SCALE_BYTES * (1 if wire.scaling == "tensor" else lay.blocks_per_chunk)
 
 
-def round_trip(x: torch.Tensor, wire: WireFormat) -> torch.Tensor:
-    """What ``x`` (2-D) decodes to after one sender's encoding on a quantized ``wire`` (no
-    communication): the one-step error the live meter compares GIFT with."""
-    lay = layout(x.shape, 1, wire)
-    _, sent, _ = _encode(_chunked(x, lay), lay, wire, None)
+def round_trip(x: torch.Tensor, wire: WireFormat, world: int = 1, group=None) -> torch.Tensor:
+    """What ``x`` (2-D) decodes to after one sender's encoding on a quantized ``wire`` for a
+    reduce-scatter over ``world`` ranks, with no communication (but ``global_max`` scales,
+    which are agreed over ``group``): the live meter's shadow of the Euclidean route."""
+    lay = layout(x.shape, world, wire)
+    _, sent, _ = _encode(_chunked(x, lay), lay, wire, group)
     return _unchunk(sent, lay, x.shape).to(x.dtype)
+
+
+def _encode_shard(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+    """An owner's encoding of its reduced shard (``ceil(rows / world)`` rows) for the all-reduce's
+    all-gather: ``(message, what its own rows decode to, layout)``."""
+    lay = layout((rows, *shard.shape[1:]), _world(group), wire)
+    chunk = _pad_to_scale_blocks(shard.reshape(1, lay.shard_rows, lay.cols).float(), lay)
+    messages, sent, _ = _encode(chunk, lay, wire, group)
+    return messages, sent[0, : lay.shard_rows].reshape(shard.shape), lay
+
+
+def shard_round_trip(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> torch.Tensor:
+    """What an owner's reduced shard decodes to after the all-gather's encoding (no communication
+    but ``global_max`` scales): the live meter's shadow of the all-reduce's second stage."""
+    return _encode_shard(shard, rows, resolve_group(group), wire)[1]
 
 
 class QuantizedReduction(NamedTuple):
@@ -228,13 +244,9 @@ def quantized_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat
     shard decodes to (``shard - own`` is its quantization error).
     """
     group = resolve_group(group)
-    world = _world(group)
-    lay = layout((rows, *shard.shape[1:]), world, wire)
-    chunk = _pad_to_scale_blocks(shard.reshape(1, lay.shard_rows, lay.cols).float(), lay)
-    messages, sent, _ = _encode(chunk, lay, wire, group)
-    own = sent[0, : lay.shard_rows].reshape(shard.shape)
+    messages, own, lay = _encode_shard(shard, rows, group, wire)
     gathered = waited(funcol.all_gather_single(messages, 0, group))
-    decoded = _decode(gathered.reshape(world, -1), lay, wire)
+    decoded = _decode(gathered.reshape(lay.world, -1), lay, wire)
     return _unchunk(decoded, lay, (rows, *shard.shape[1:])), own
 
 

@@ -96,7 +96,7 @@ def quantized_reduce(
     sent_coords = whiten(payload)
     scattered = quantized_reduce_scatter(sent_coords, op, group, wire)
     error = unwhiten(sent_coords - scattered.sent)  # this rank's round trip, in G's coordinates
-    new_residual = _finite_or_zero(error) if residual is not None else None
+    new_residual = finite_or_zero(error) if residual is not None else None
     stats = torch.cat([scattered.stats, torch.stack([error.square().sum(), payload.square().sum()])])
 
     new_gather_residual = None
@@ -110,7 +110,7 @@ def quantized_reduce(
         shard = scattered.reduced if gather_residual is None else scattered.reduced + whiten(gather_residual)
         full, own = quantized_all_gather(shard, g.shape[0], group, wire)
         if gather_residual is not None:
-            new_gather_residual = _finite_or_zero(unwhiten(shard - own))
+            new_gather_residual = finite_or_zero(unwhiten(shard - own))
         output = unwhiten(full)
     return Reduction(output.to(g.dtype), new_residual, new_gather_residual, stats)
 
@@ -130,7 +130,7 @@ def gather_residual_shape(shape: tuple[int, int], group) -> tuple[int, int]:
     return lay.shard_rows, lay.cols
 
 
-def _finite_or_zero(error: torch.Tensor) -> torch.Tensor:
+def finite_or_zero(error: torch.Tensor) -> torch.Tensor:
     # A non-finite gradient already reaches the trainer through the reduced output; keeping it
     # in a residual would poison every later step, so that step's error is dropped instead.
     return torch.where(torch.isfinite(error), error, torch.zeros_like(error))

@@ -119,9 +119,17 @@ class GiftConfig:
     (``passes/overlap.py``). Off: each collective is waited on where it was issued."""
 
     meter_interval: int = 10
-    """Every N steps, each whitened layer also measures a Euclidean FP8 round trip of the same
-    local gradient (codec only, no communication) and records the ratio of GIFT's round-trip
-    error (in the gradient's own coordinates) to it: ``error_vs_fp8`` in the counters."""
+    """Every N steps, each whitened layer reads the live meter (``meter.py``): the error of the
+    gradient GIFT delivered on its route over the error the same route's Euclidean wire (FP8, or
+    FP4 for FP4 layers) would have delivered with the same error-feedback setting, both against
+    the ranks' exact average (measured through a sketch: one small all-reduce per reading).
+    ``error_vs_fp8`` (one step) and ``accumulated_vs_fp8`` (summed over the window) in the counters."""
+
+    meter_window: int = 2
+    """With error feedback, the steps before each reading on which the meter's Euclidean shadow
+    also runs: the first starts its residuals, the rest are summed with the reading's step into
+    ``accumulated_vs_fp8``. Each such step costs one Euclidean round trip of the whitened
+    layers' local gradients (no communication). Without error feedback only the reading's step."""
 
     fallback: bool = True
     """A whitened layer whose ``error_vs_fp8`` stays above 1 for ``fallback_patience``
@@ -169,7 +177,7 @@ class GiftConfig:
             if value not in choices:
                 raise ValueError(f"GiftConfig.{name}={value!r} is invalid; allowed values: {list(choices)}")
         object.__setattr__(self, "layers", _normalize_layers(self.layers))
-        for name in ("scale_block_rows", "refresh_interval", "auto_profile_steps", "meter_interval",
+        for name in ("scale_block_rows", "refresh_interval", "auto_profile_steps", "meter_interval", "meter_window",
                      "fallback_patience", "fallback_retry"):
             _check_int(name, getattr(self, name))
         for name in ("low_rank", "stats_max_tokens", "auto_max_layers"):

@@ -31,8 +31,12 @@ class LayerCounters:
     refreshes: int = 0
     last_refresh_step: int | None = None
     error_vs_fp8: float | None = None
-    """The live meter's last reading (whitened layers): GIFT's round-trip error over a Euclidean
-    FP8 round trip of the same gradients, summed over ranks. Below 1: GIFT helps."""
+    """The live meter's last reading (whitened layers, ``meter.py``): the error of the gradient
+    GIFT delivered on its route over the error the same route's Euclidean wire would have
+    delivered (same error-feedback setting), both against the ranks' exact average. Below 1:
+    GIFT helps."""
+    accumulated_vs_fp8: float | None = None
+    """With error feedback: the same for the errors summed over the meter's window."""
     fallback_until: int | None = None
     """While set, the layer travels as Euclidean FP8 until this step (the meter said GIFT hurt)."""
     fallbacks: int = 0
@@ -73,7 +77,8 @@ class LayerCounters:
             "path": self.path, "steps": self.steps, "bytes_sent": self.bytes_sent, "stats_bytes": self.stats_bytes,
             "saturated": int(saturated), "flushed": int(flushed), "refreshes": self.refreshes,
             "last_refresh_step": self.last_refresh_step, "last_rel_error": rel_error,
-            "error_vs_fp8": self.error_vs_fp8, "fallback_until": self.fallback_until, "fallbacks": self.fallbacks,
+            "error_vs_fp8": self.error_vs_fp8,
+            "accumulated_vs_fp8": self.accumulated_vs_fp8, "fallback_until": self.fallback_until, "fallbacks": self.fallbacks,
             "restarts": 0 if self._restarts is None else int(self._restarts),
         }
 
@@ -100,10 +105,10 @@ def counters_table(counters: dict[str, LayerCounters]) -> str:
         path = d["path"] if d["fallback_until"] is None else f"{d['path']} (FP8 until step {d['fallback_until']})"
         rows.append((
             fqn, path, d["steps"], d["bytes_sent"], d["stats_bytes"], d["saturated"], d["flushed"],
-            _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), d["fallbacks"], d["restarts"],
+            _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), _fmt(d["accumulated_vs_fp8"], ".2f"), d["fallbacks"], d["restarts"],
         ))
     headers = ["layer", "path", "steps", "bytes sent", "stats bytes", "saturated", "flushed",
-               "last rel. error", "error vs fp8", "fallbacks", "restarts"]
+               "last rel. error", "error vs fp8", "accumulated vs fp8", "fallbacks", "restarts"]
     return tabulate(rows, headers=headers)
 
 

@@ -113,11 +113,13 @@ class StateAccess(Protocol):
     def gather_residual(self, plan: LayerPlan, token: torch.Tensor) -> torch.Tensor: ...
 
     def meter(self, plan: LayerPlan, grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """The live meter's shadow round trip on a meter step; returns the token the rest of the step takes."""
+        """The live meter's part ahead of the reduction (``meter.py``); returns the token the rest of the step takes."""
 
     def end(
         self, plan: LayerPlan, token: torch.Tensor, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None
-    ) -> None: ...
+    ) -> None:
+        """Keep the step's new residuals and basis, count it, and complete the meter's reading
+        from ``reduction.output`` (what was delivered)."""
 
 
 def issue_statistics(
@@ -185,7 +187,7 @@ class EagerAccess:
         return self.runtime.layer(plan.fqn).ensure_gather_residual(*gather_residual_shape((plan.d_out, plan.d_in), plan.group))
 
     def meter(self, plan, grad, token):
-        self.runtime.meter(plan.fqn, grad)
+        self.runtime.meter(plan.fqn, grad, plan.collective, plan.op, plan.group)
         return token
 
     def end(self, plan, token, reduction, next_basis, next_scale):

@@ -14,9 +14,10 @@ call. :class:`OpsAccess` is the ``layer_step.StateAccess`` that emits them::
     T...  = gift::load_factors(ns, fqn, d_in, low_rank, token)    copies of the periodic factors
     R     = gift::load_residual(ns, fqn, d_out, d_in, token)      the residual itself
     R2    = gift::load_gather_residual(ns, fqn, rows, cols, token)
-    token = gift::meter(ns, fqn, grad, token)                     a shadow round trip on meter steps
+    token = gift::meter(ns, fqn, group, collective, op, grad, token)  the meter's shadow on its window's steps
     ... whiten, quantize, FP8 collectives, unwhiten (plain aten ops, fused by Inductor) ...
-    gift::end_step(ns, fqn, group, token, R', R2', Q', s', stats, bytes, stats_bytes)
+    gift::end_step(ns, fqn, group, token, G_hat, R', R2', Q', s', stats, bytes, stats_bytes)
+            keep the new state, count the step, complete the meter's reading from G_hat (meter.py)
     gift::record_euclidean(ns, fqn, path, stats, bytes)           counters of a stateless Euclidean step
 
 Every collective the pass adds depends on ``ok`` (through ``begin_step``, or as ``grad * ok``
@@ -119,33 +120,33 @@ def _(namespace, fqn, rows, cols, token):
 
 
 @torch.library.custom_op("gift::meter", mutates_args=(), tags=_RUNS_PYTHON)
-def meter(namespace: str, fqn: str, grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    get_runtime(namespace).meter(fqn, grad)
-    return token.clone()  # the token end_step takes: the meter's reading is held before end_step reads it
+def meter(namespace: str, fqn: str, group_name: str, collective: str, op: str, grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    get_runtime(namespace).meter(fqn, grad, collective, op, _resolve_process_group(group_name))
+    return token.clone()  # the token end_step takes: the meter's shares are held before end_step reads them
 
 
 @meter.register_fake
-def _(namespace, fqn, grad, token):
+def _(namespace, fqn, group_name, collective, op, grad, token):
     return torch.empty_like(token)
 
 
 @torch.library.custom_op("gift::end_step", mutates_args=(), tags=_RUNS_PYTHON)
 def end_step(
-    namespace: str, fqn: str, group_name: str, token: torch.Tensor, residual: torch.Tensor | None,
+    namespace: str, fqn: str, group_name: str, token: torch.Tensor, output: torch.Tensor, residual: torch.Tensor | None,
     gather_residual: torch.Tensor | None, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None, stats: torch.Tensor,
     bytes_sent: int, stats_bytes: int,
 ) -> None:
-    reduction = Reduction(stats, residual, gather_residual, stats)  # output unused by end_step
+    reduction = Reduction(output, residual, gather_residual, stats)
     get_runtime(namespace).end_step(fqn, _resolve_process_group(group_name), reduction, next_basis, next_scale, bytes_sent, stats_bytes)
 
 
 @end_step.register_fake
-def _(namespace, fqn, group_name, token, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes):
+def _(namespace, fqn, group_name, token, output, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes):
     return None
 
 
 @register_lowering(torch.ops.gift.end_step.default, type_promotion_kind=None)
-def _lower_end_step(namespace, fqn, group_name, token, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes):
+def _lower_end_step(namespace, fqn, group_name, token, output, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes):
     for kept in (residual, gather_residual):
         if kept is not None:
             # end_step keeps this buffer as the layer's residual: no later buffer of the graph may
@@ -153,7 +154,7 @@ def _lower_end_step(namespace, fqn, group_name, token, residual, gather_residual
             kept.realize()
             V.graph.never_reuse_buffers.add(kept.get_name())
     return fallback_handler(torch.ops.gift.end_step.default, add_to_fallback_set=False)(
-        namespace, fqn, group_name, token, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes
+        namespace, fqn, group_name, token, output, residual, gather_residual, next_basis, next_scale, stats, bytes_sent, stats_bytes
     )
 
 
@@ -195,11 +196,11 @@ class OpsAccess:
         return torch.ops.gift.load_gather_residual(self.namespace, plan.fqn, rows, cols, token)
 
     def meter(self, plan, grad, token):
-        return torch.ops.gift.meter(self.namespace, plan.fqn, grad, token)
+        return torch.ops.gift.meter(self.namespace, plan.fqn, plan.group_name, plan.collective, plan.op, grad, token)
 
     def end(self, plan, token, reduction, next_basis, next_scale):
         torch.ops.gift.end_step(
-            self.namespace, plan.fqn, plan.group_name, token, reduction.residual, reduction.gather_residual,
+            self.namespace, plan.fqn, plan.group_name, token, reduction.output, reduction.residual, reduction.gather_residual,
             next_basis, next_scale, reduction.stats, plan.bytes_sent, plan.stats_bytes,
         )
 

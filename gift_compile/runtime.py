@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from gift_compile import policy
 from gift_compile.agreement import agree
-from gift_compile.collectives import WireFormat, round_trip
 from gift_compile.comm import Reduction
 from gift_compile.config import GiftConfig
 from gift_compile.counters import LayerCounters, counters_table
+from gift_compile.meter import Route
 from gift_compile.state import GiftLayerState, GiftState
 
 log = logging.getLogger(__name__)
@@ -118,14 +118,11 @@ class GiftRuntime:
     def layer(self, fqn: str) -> GiftLayerState:
         return self.state.layer(fqn)
 
-    def meter(self, fqn: str, grad: torch.Tensor) -> None:
-        """On a meter step, a shadow Euclidean round trip of this rank's gradient on the whitened
-        layers' own wire (FP8 or FP4, no communication)."""
+    def meter(self, fqn: str, grad: torch.Tensor, collective: str, op: str, group) -> None:
+        """The live meter's part ahead of the reduction (``meter.py``): on a window's steps,
+        this rank's share of the Euclidean shadow."""
         layer = self.state.layer(fqn)
-        if layer.meter_due():
-            g = grad.detach().float()
-            error = g - round_trip(g, WireFormat.gift(self.config))
-            layer.hold_meter(error.square().sum(), g.square().sum())
+        layer.meter.before(int(layer.step), grad, Route.of(self.config, collective, op, group))
 
     def end_step(
         self, fqn: str, group, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None,
@@ -134,9 +131,11 @@ class GiftRuntime:
         layer = self.state.layer(fqn)
         counter = self.counter(fqn, self.path(layer.whitened))
         before = int(layer.fallback_until)
-        ratio = layer.record_meter(reduction.stats, group)
-        if ratio is not None:
-            counter.error_vs_fp8 = ratio
+        if layer.meter is not None:
+            reading = layer.meter.after(int(layer.step), reduction.output)
+            if reading is not None:
+                counter.error_vs_fp8, counter.accumulated_vs_fp8 = reading
+                layer.record_reading(reading)
         if int(layer.fallback_until) != before:
             counter.fallbacks += 1
         layer.end_step(reduction.residual, reduction.gather_residual, next_basis, next_scale)

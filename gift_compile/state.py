@@ -16,7 +16,7 @@ What a layer keeps depends on ``GiftConfig`` and on whether the layer is whitene
 * ``residual``: the sender's error-feedback residual, in the gradient's own coordinates (so it
   needs no "move" when ``T`` changes); ``gather_residual``: the owner's residual of the
   all-reduce route's second quantization (its shard's rows), created on first use.
-* ``fallback_until`` / ``meter_over``: the live fidelity meter's verdict (see :meth:`record_meter`).
+* ``fallback_until`` / ``meter_over``: the live fidelity meter's verdict (``meter.py``, :meth:`record_reading`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import nn
 
 from gift_compile.collectives import resolve_group
 from gift_compile.config import GiftConfig
+from gift_compile.meter import DeliveredMeter, Reading
 from gift_compile.geometry import FACTOR_NAMES, Whitening, factorize, identity_whitening, initial_basis, second_moment
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,7 @@ class GiftLayerState(nn.Module):
         self.register_buffer("shape", torch.tensor([d_out, d_in, int(whitened)]))  # lets a checkpoint rebuild the layer
         for name in ("step", "refreshes", "fallback_until", "meter_over"):
             self.register_buffer(name, torch.zeros((), dtype=torch.int64))
-        self.last_error_vs_fp8: float | None = None
-        self._pending_meter: torch.Tensor | None = None
+        self.meter = DeliveredMeter(fqn, d_out, d_in, config) if whitened else None
         self._refresh_start: tuple[int, torch.Tensor, int] | None = None  # (step, moment, refreshes) of a refresh
 
     # -- placement -----------------------------------------------------------------------------
@@ -188,43 +188,22 @@ class GiftLayerState(nn.Module):
             current.copy_(new)  # a view into a larger buffer would pin that buffer
 
     # -- the live meter and the fallback -----------------------------------------------------------
-    def meter_due(self) -> bool:
-        return self.whitened and int(self.step) % self.config.meter_interval == 0
-
-    def hold_meter(self, fp8_error_sq: torch.Tensor, grad_sq: torch.Tensor) -> None:
-        """Keep this step's shadow Euclidean FP8 round trip until ``record_meter`` (device tensors)."""
-        self._pending_meter = torch.stack([fp8_error_sq.float(), grad_sq.float()])
-
-    def record_meter(self, stats: torch.Tensor, group=None) -> float | None:
-        """With this step's GIFT stats, turn a held shadow measurement into ``error_vs_fp8``:
-        GIFT's relative round-trip error in the gradient's own coordinates over Euclidean FP8's,
-        both summed over the ranks of ``group`` so every rank reaches the same verdict. A layer
-        above 1 for ``fallback_patience`` readings in a row goes on its fallback."""
-        if self._pending_meter is None:
-            return None
-        from gift_compile.comm import STATS
-
-        gift = stats[[STATS.index("error_sq"), STATS.index("payload_sq")]].float()
-        sums = torch.cat([gift, self._pending_meter]).double()
-        self._pending_meter = None
-        group = resolve_group(group)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(sums, group=group)
-        gift_err, payload, fp8_err, grad = sums.tolist()
-        if not all(math.isfinite(v) for v in (gift_err, payload, fp8_err, grad)) or fp8_err <= 0 or payload <= 0 or grad <= 0:
-            return None
-        ratio = math.sqrt(gift_err / payload) / math.sqrt(fp8_err / grad)
-        self.last_error_vs_fp8 = ratio
-        if self.config.fallback and self.whitening_on():
-            self.meter_over.fill_(int(self.meter_over) + 1 if ratio > 1.0 else 0)
-            if int(self.meter_over) >= self.config.fallback_patience:
-                self.fallback_until.fill_(int(self.step) + 1 + self.config.fallback_retry)
-                self.meter_over.zero_()
-                log.warning(
-                    "GIFT layer %s: round-trip error %.2fx Euclidean FP8 for %d readings; sending it as Euclidean "
-                    "FP8 until step %d, then retrying", self.fqn, ratio, self.config.fallback_patience, int(self.fallback_until),
-                )
-        return ratio
+    def record_reading(self, reading: Reading) -> None:
+        """Count a meter reading (the same on every rank: ``meter.py``). A layer whose delivered
+        error is above Euclidean's (one step, or accumulated with error feedback) for
+        ``fallback_patience`` readings in a row goes on its fallback."""
+        if not (self.config.fallback and self.whitening_on()):
+            return
+        self.meter_over.fill_(int(self.meter_over) + 1 if reading.verdict > 1.0 else 0)
+        if int(self.meter_over) >= self.config.fallback_patience:
+            self.fallback_until.fill_(int(self.step) + 1 + self.config.fallback_retry)
+            self.meter_over.zero_()
+            log.warning(
+                "GIFT layer %s: delivered error %.2fx (accumulated %s) the Euclidean route's for %d readings; sending "
+                "it as Euclidean until step %d, then retrying", self.fqn, reading.one_step,
+                "-" if reading.accumulated is None else f"{reading.accumulated:.2f}x", self.config.fallback_patience,
+                int(self.fallback_until),
+            )
 
     # -- periodic factors --------------------------------------------------------------------------
     @torch.no_grad()

@@ -120,6 +120,7 @@ class OracleLayer:
     ema_decay: float = 0.5
     collective: str = "reduce_scatter"  # or "all_reduce" (an all-gather on the wire with owner error feedback)
     wire: str = "e4m3"  # or "nvfp4" / "mxfp4"
+    whiten: bool = True  # False: T stays I, the Euclidean route with the same error feedback
     step: int = 0
     basis: torch.Tensor | None = None
     moment: torch.Tensor | None = None
@@ -166,7 +167,8 @@ class OracleLayer:
 
     def reduce(self, grads: list[torch.Tensor], inputs: list[torch.Tensor], op: str = "avg") -> torch.Tensor:
         """The reduced gradient (all ``d_out`` rows) of one step."""
-        self._new_transform(inputs)
+        if self.whiten:
+            self._new_transform(inputs)
         decoded = []
         for r, g in enumerate(grads):
             sent = g.double() @ self.t + (self.residuals[r] if self.error_feedback else 0)

@@ -98,7 +98,7 @@ fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
 fc2       gift::whitening_from_sketch(damping=1.0)
-fc2       gift::meter(NS, fc2)
+fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
 fc2       all_to_all_single(GROUP) uint8[264] -> wait
@@ -127,7 +127,7 @@ fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
 fc2       gift::whitening_from_sketch(damping=1.0)
-fc2       gift::meter(NS, fc2)
+fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
 fc2       all_to_all_single(GROUP) uint8[152] -> wait
@@ -151,7 +151,7 @@ fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       gift::load_factors(NS, fc2, d_in=32, low_rank=4)
-fc2       gift::meter(NS, fc2)
+fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
 fc2       all_to_all_single(GROUP) uint8[264] -> wait
@@ -197,7 +197,7 @@ fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
 fc2       gift::whitening_from_sketch(damping=1.0)
-fc2       gift::meter(NS, fc2)
+fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
 fc2       all_to_all_single(GROUP) uint8[264] -> wait
@@ -254,7 +254,7 @@ w1                     wait_tensor(all_to_all_single)
 w1                     all_gather_into_tensor(GROUP) uint8[1, 1028]
 wo                     mm -> grad float32[32, 32]
 wo                     gift::whitening_from_sketch(damping=1.0)
-wo                     gift::meter(NS, wo)
+wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
 wo                     all_to_all_single(GROUP) uint8[1032]
@@ -262,41 +262,41 @@ w3                     wait_tensor(all_gather_into_tensor)
 ffn_norm.weight        wait_tensor(all_reduce)
 wv                     mm -> grad float32[32, 32]
 wv                     gift::whitening_from_sketch(damping=1.0)
-wv                     gift::meter(NS, wv)
+wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
 wv                     all_to_all_single(GROUP) uint8[1032]
 w1                     wait_tensor(all_gather_into_tensor)
 wo                     wait_tensor(all_to_all_single)
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516]
-wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     mm -> grad float32[32, 32]
 wk                     gift::whitening_from_sketch(damping=1.0)
-wk                     gift::meter(NS, wk)
+wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
 wk                     all_to_all_single(GROUP) uint8[1032]
 wv                     wait_tensor(all_to_all_single)
 wv                     all_gather_into_tensor(GROUP) uint8[1, 516]
-wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
 wq                     mm -> grad float32[32, 32]
 wq                     gift::whitening_from_sketch(damping=1.0)
-wq                     gift::meter(NS, wq)
+wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
 wq                     all_to_all_single(GROUP) uint8[1032]
 wo                     wait_tensor(all_gather_into_tensor)
+wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     wait_tensor(all_to_all_single)
 wk                     all_gather_into_tensor(GROUP) uint8[1, 516]
-wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
 attention_norm.weight  all_reduce(avg, GROUP) float32[32]  (original)
 wv                     wait_tensor(all_gather_into_tensor)
+wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
 wq                     wait_tensor(all_to_all_single)
 wq                     all_gather_into_tensor(GROUP) uint8[1, 516]
-wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     wait_tensor(all_gather_into_tensor)
+wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
 attention_norm.weight  wait_tensor(all_reduce)
-wq                     wait_tensor(all_gather_into_tensor)""")
+wq                     wait_tensor(all_gather_into_tensor)
+wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=520)""")
 
     def test_llama_block_every_collective_is_accounted_for(self):
         # 9 parameters: 7 Linear weights (the 4 attention projections GIFT, w1/w2/w3 Euclidean
@@ -347,7 +347,7 @@ w1                     gift::end_step(NS, w1, GROUP, next_basis=None, next_scale
 ffn_norm.weight        all_reduce(avg, GROUP) float32[32] -> wait  (original)
 wo                     mm -> grad float32[32, 32]
 wo                     gift::whitening_from_sketch(damping=1.0)
-wo                     gift::meter(NS, wo)
+wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
 wo                     all_to_all_single(GROUP) uint8[1032] -> wait
@@ -355,7 +355,7 @@ wo                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wv                     mm -> grad float32[32, 32]
 wv                     gift::whitening_from_sketch(damping=1.0)
-wv                     gift::meter(NS, wv)
+wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
 wv                     all_to_all_single(GROUP) uint8[1032] -> wait
@@ -363,7 +363,7 @@ wv                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     mm -> grad float32[32, 32]
 wk                     gift::whitening_from_sketch(damping=1.0)
-wk                     gift::meter(NS, wk)
+wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
 wk                     all_to_all_single(GROUP) uint8[1032] -> wait
@@ -371,7 +371,7 @@ wk                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
 wq                     mm -> grad float32[32, 32]
 wq                     gift::whitening_from_sketch(damping=1.0)
-wq                     gift::meter(NS, wq)
+wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
 wq                     all_to_all_single(GROUP) uint8[1032] -> wait
@@ -411,7 +411,7 @@ ln_2.weight       all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       mm -> grad float32[32, 32]
 attn.c_proj.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       gift::whitening_from_sketch(damping=1.0)
-attn.c_proj       gift::meter(NS, attn.c_proj)
+attn.c_proj       gift::meter(NS, attn.c_proj, GROUP, collective=all_reduce, op=avg)
 attn.c_proj       gift::load_residual(NS, attn.c_proj, d_out=32, d_in=32)
 attn.c_proj       gift::load_gather_residual(NS, attn.c_proj, rows=16, cols=32)
 attn.c_proj       all_to_all_single(GROUP) uint8[1032] -> wait
@@ -420,7 +420,7 @@ attn.c_proj       gift::end_step(NS, attn.c_proj, GROUP, bytes_sent=1032, stats_
 attn.c_attn       mm -> grad float32[96, 32]
 attn.c_attn.bias  all_reduce(avg, GROUP) float32[96] -> wait  (original)
 attn.c_attn       gift::whitening_from_sketch(damping=1.0)
-attn.c_attn       gift::meter(NS, attn.c_attn)
+attn.c_attn       gift::meter(NS, attn.c_attn, GROUP, collective=all_reduce, op=avg)
 attn.c_attn       gift::load_residual(NS, attn.c_attn, d_out=96, d_in=32)
 attn.c_attn       gift::load_gather_residual(NS, attn.c_attn, rows=48, cols=32)
 attn.c_attn       all_to_all_single(GROUP) uint8[3080] -> wait

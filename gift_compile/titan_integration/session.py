@@ -192,9 +192,10 @@ class GiftSession:
         out["gift/linear_bytes_ratio_vs_fp32"] = linear_bytes / accounting.linear_fp32_bytes if accounting.linear_fp32_bytes else None
         out["gift/layers"] = len(self.chosen)
         out["gift/refreshes"] = sum(c.refreshes for c in self.runtime.counters.values())
-        readings = [c.error_vs_fp8 for c in self.runtime.counters.values() if c.error_vs_fp8 is not None]
-        out["gift/error_vs_fp8"] = sum(readings) / len(readings) if readings else None
-        out["gift/error_vs_fp8_max"] = max(readings) if readings else None
+        for name in ("error_vs_fp8", "accumulated_vs_fp8"):  # the live meter (meter.py)
+            readings = [getattr(c, name) for c in self.runtime.counters.values() if getattr(c, name) is not None]
+            out[f"gift/{name}"] = sum(readings) / len(readings) if readings else None
+            out[f"gift/{name}_max"] = max(readings) if readings else None
         out["gift/fallback_layers"] = sum(c.fallback_until is not None for c in self.runtime.counters.values())
         out["gift/restarts"] = self.runtime.report_restarts()
         out["gift/collectives_per_step"] = accounting.collective_calls or None
@@ -251,7 +252,7 @@ class GiftSession:
 
 
 CONSOLE_METRICS = ("gift/bytes_ratio_vs_fp32", "gift/total_bytes_ratio_vs_fp32", "gift/bytes_per_step", "gift/stats_bytes_per_step",
-                   "gift/layers", "gift/error_vs_fp8", "gift/error_vs_fp8_max", "gift/fallback_layers", "gift/restarts",
+                   "gift/layers", "gift/error_vs_fp8", "gift/error_vs_fp8_max", "gift/accumulated_vs_fp8_max", "gift/fallback_layers", "gift/restarts",
                    "gift/codec_s", "gift/comm_wait_s", "gift/comm_share")
 
 

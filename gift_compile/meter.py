@@ -1,0 +1,192 @@
+"""The live meter: the error of what a whitened layer *delivers* on its route, against what the
+same route's Euclidean wire (FP8, or FP4 for an FP4 layer: the layer's fallback) would deliver
+with the same error-feedback setting, both measured against the exact average of the ranks'
+gradients.
+
+What a route delivers is ``D`` (the reduced gradient the optimizer gets, after the
+all-reduce's second stage and with error feedback as configured). Its error is
+``E = D - c * sum_r G_r`` (``c = 1/world`` for an average). No rank holds ``sum_r G_r``, and
+sending it exactly would cost fp32 bytes, so the meter measures a *sketch* of it: a Gaussian
+``S`` (``SKETCH_ROWS x d_out``, the same on every rank) maps each rank's share,
+``S[:, own rows] D[own rows] - c * S G_r``, to ``SKETCH_ROWS x d_in`` numbers, and one
+all-reduce sums the shares to ``S E`` exactly. ``|S E|^2`` estimates ``|E|^2`` without bias;
+its relative spread is ``sqrt(2 / (SKETCH_ROWS * r))`` for an error of effective rank ``r``
+(quantization errors are close to full rank: a few percent at 32 rows).
+
+The Euclidean shadow is run beside the real step, with no communication: this rank's
+``G_r + R_r`` (its own shadow residual) through the route's encoding (``collectives.round_trip``)
+gives its share of the first stage exactly; on the all-reduce route the owner of each shard
+re-encodes its rows of ``D`` (the closest thing to the Euclidean route's own first-stage sum
+that exists without sending it) with its shadow gather residual. Both sides are sketched with
+the same ``S``, summed in the same all-reduce.
+
+A reading covers a *window*: ``meter_window`` steps ending at each ``meter_interval``-th step
+(with error feedback; one step without it). Its first step only starts the shadow's residuals,
+so the shadow's error feedback has history when counting starts, as GIFT's has. The window
+reports the last step's error (``error_vs_fp8``) and, with error feedback, the error
+accumulated over the counted steps (``accumulated_vs_fp8``: with error feedback the errors of
+consecutive steps cancel, and the sum is what the optimizer integrates).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from gift_compile import policy
+from gift_compile.collectives import WireFormat, resolve_group, round_trip, shard_round_trip
+from gift_compile.comm import finite_or_zero
+from gift_compile.config import GiftConfig
+
+SKETCH_ROWS = 32
+
+
+class Reading(NamedTuple):
+    one_step: float
+    """|E_gift| / |E_euclidean| of the window's last step."""
+    accumulated: float | None
+    """The same for the errors summed over the window's counted steps (error feedback only)."""
+
+    @property
+    def verdict(self) -> float:
+        """What the fallback compares with 1: the worse of the two."""
+        return max(self.one_step, self.accumulated or 0.0)
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a whitened layer's gradient travels, as far as the meter's shadow needs it."""
+
+    collective: str
+    op: str
+    group: dist.ProcessGroup
+    wire: WireFormat
+    error_feedback: bool
+    second_stage: bool
+    """All-reduce route whose all-gather re-encodes on the wire (``all_gather_dtype = "wire"``);
+    with ``bf16`` the second stage rounds ``D`` itself, which the shadow would round alike."""
+    gather_error_feedback: bool
+
+    @classmethod
+    def of(cls, config: GiftConfig, collective: str, op: str, group) -> Route:
+        plan = policy.plan(config, "linear", selected=True, collective=collective)
+        return cls(collective, op, resolve_group(group), WireFormat.gift(config), plan.error_feedback,
+                   collective == "all_reduce" and plan.gather_dtype == "wire", plan.gather_error_feedback)
+
+    @property
+    def keeps_residuals(self) -> bool:
+        return self.error_feedback or self.gather_error_feedback
+
+
+class Window:
+    """One layer's meter window (host-side; not checkpointed: a restored run starts a new one)."""
+
+    def __init__(self, fqn: str, d_out: int, d_in: int, step: int, device: torch.device) -> None:
+        seed = (zlib.crc32(fqn.encode()) << 31) + step  # the same S on every rank, a new one per window
+        self.sketch = (torch.randn(SKETCH_ROWS, d_out, generator=torch.Generator().manual_seed(seed))
+                       / math.sqrt(SKETCH_ROWS)).to(device)
+        self.residual: torch.Tensor | None = None
+        self.gather_residual: torch.Tensor | None = None
+        self.sums = torch.zeros(2, SKETCH_ROWS, d_in, device=device)  # GIFT, Euclidean: counted steps
+        self.last_step = step - 1
+        self.counting = False
+        """Whether this step's errors are summed (from the step after the shadow's first)."""
+        self.held: tuple[torch.Tensor, torch.Tensor] | None = None
+        """This step's shares from :meth:`DeliveredMeter.before`: ``c S G_r`` and the shadow's first stage."""
+        self.route: Route | None = None
+
+
+class DeliveredMeter:
+    """The meter of one whitened layer (module docstring)."""
+
+    def __init__(self, fqn: str, d_out: int, d_in: int, config: GiftConfig) -> None:
+        self.fqn, self.d_out, self.d_in, self.config = fqn, d_out, d_in, config
+        self.window: Window | None = None
+
+    def position(self, step: int, route: Route) -> str | None:
+        """``"read"`` (the reading's step), ``"shadow"`` (an earlier step of the window) or None."""
+        span = self.config.meter_window if route.keeps_residuals else 0
+        before = -step % self.config.meter_interval  # steps until the next reading
+        return "read" if before == 0 else "shadow" if before <= span else None
+
+    @torch.no_grad()
+    def before(self, step: int, grad: torch.Tensor, route: Route) -> None:
+        """Ahead of the real reduction: this rank's share of the shadow's first stage."""
+        where = self.position(step, route)
+        if where is None:
+            return
+        g = grad.detach().float()
+        window = self.window
+        if window is None or window.last_step != step - 1:  # a new window (or a gap: start over)
+            window = self.window = Window(self.fqn, self.d_out, self.d_in, step, g.device)
+            window.counting = where == "read"  # a window joined late counts from its next step
+        world = dist.get_world_size(route.group)
+        payload = g if window.residual is None else g + window.residual
+        sent = round_trip(payload, route.wire, world, route.group)
+        if route.error_feedback:
+            window.residual = finite_or_zero(payload - sent)
+        c = _scale(route, world)
+        window.held = (c * (window.sketch @ g), c * (window.sketch @ (sent - g)))
+        window.route, window.last_step = route, step
+
+    @torch.no_grad()
+    def after(self, step: int, output: torch.Tensor) -> Reading | None:
+        """After the real reduction (``output``: all of ``D``, or this rank's rows of it on the
+        reduce-scatter route): complete this step's shares; on the reading's step, sum them over
+        the ranks and return the reading (the same on every rank)."""
+        window = self.window
+        if window is None or window.held is None or window.last_step != step:
+            return None
+        route = window.route
+        where = self.position(step, route)
+        grad_share, euclidean_share = window.held
+        window.held = None
+        world, rank = dist.get_world_size(route.group), dist.get_rank(route.group)
+        shard_rows = -(-self.d_out // world)
+        rows = slice(min(rank * shard_rows, self.d_out), min((rank + 1) * shard_rows, self.d_out))
+        n = rows.stop - rows.start
+        delivered = (output[rows] if route.collective == "all_reduce" else output[:n]).float()
+        s_own = window.sketch[:, rows]
+        gift = s_own @ delivered - grad_share
+        euclidean = euclidean_share
+        if route.second_stage:
+            shard = torch.zeros(shard_rows, self.d_in, device=delivered.device)
+            shard[:n] = delivered
+            payload = shard if window.gather_residual is None else shard + window.gather_residual
+            sent = shard_round_trip(payload, self.d_out, route.group, route.wire)
+            if route.gather_error_feedback:
+                window.gather_residual = finite_or_zero(payload - sent)
+            euclidean = euclidean + s_own @ (sent - shard)[:n]
+        if window.counting:
+            window.sums += torch.stack([gift, euclidean])
+        window.counting = True
+        if where != "read":
+            return None
+        sums = torch.cat([torch.stack([gift, euclidean]), window.sums])
+        window.sums.zero_()
+        if world > 1:
+            dist.all_reduce(sums, group=route.group)
+        norms = sums.flatten(1).norm(dim=1).tolist()
+        one_step = _ratio(norms[0], norms[1])
+        if one_step is None:
+            return None
+        accumulated = _ratio(norms[2], norms[3]) if route.keeps_residuals else None
+        return Reading(one_step, accumulated)
+
+
+def _scale(route: Route, world: int) -> float:
+    return 1.0 / world if route.op == "avg" else 1.0
+
+
+def _ratio(gift: float, euclidean: float) -> float | None:
+    if not (math.isfinite(gift) and math.isfinite(euclidean)) or euclidean <= 0:
+        return None
+    return gift / euclidean
+
+
+__all__ = ["DeliveredMeter", "Reading", "Route", "SKETCH_ROWS", "Window"]
