@@ -126,7 +126,26 @@ def stats_codecs() -> list[Codec]:
     ]
 
 
-CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs}
+def meter_codecs() -> list[Codec]:
+    """GIFT's defaults with and without error feedback on both routes, beside the same route's
+    Euclidean FP8 with the same error-feedback setting: what the live meter compares them with."""
+    fp8 = GiftConfig(layers=())
+    out = [
+        Codec("Euclidean FP8", fp8, whitened=False),
+        Codec("Euclidean FP8 + EF", fp8.replace(euclidean_error_feedback=True), whitened=False),
+        Codec("GIFT defaults", fp8),
+        Codec("GIFT defaults, no EF", fp8.replace(error_feedback=False)),
+    ]
+    return out + [dataclasses.replace(c, name=f"all-reduce: {c.name}", collective="all_reduce") for c in out]
+
+
+def meter_twin(codec: Codec) -> str:
+    """The codec the live meter of whitened ``codec`` compares it with (its route, its error feedback)."""
+    route = "all-reduce: " if codec.collective == "all_reduce" else ""
+    return f"{route}Euclidean FP8{' + EF' if codec.config.error_feedback else ''}"
+
+
+CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs}
 
 
 def codecs() -> list[Codec]:
@@ -169,6 +188,12 @@ def setups() -> dict[str, Setup]:
     }
 
 
+def in_meter_window(step: int, config: GiftConfig) -> bool:
+    """Whether the live meter sums ``step``'s error into its accumulated reading (``meter.py``:
+    the ``meter_window`` steps up to a reading, the shadow's first not counted)."""
+    return -step % config.meter_interval < min(config.meter_window, config.meter_interval)
+
+
 def owned_rows(rank: int, world: int, rows: int) -> slice:
     c = -(-rows // world)
     return slice(min(rank * c, rows), min((rank + 1) * c, rows))
@@ -194,6 +219,9 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
     exact_sums = {fqn: None for fqn in names}
     seconds = defaultdict(float)
     losses = []
+    metered = [i for i, c in enumerate(all_codecs) if c.whitened and not c.hadamard and meter_twin(c) in [d.name for d in all_codecs]]
+    window_errors: dict[tuple[int, str], torch.Tensor] = {}  # (codec, layer) -> error summed over the meter's window
+    meter_log = []  # per reading step: (step, readings (codec, layer, one-step, accumulated), truth squares)
     start = time.time()
     for step in range(steps):
         x, y = batcher.batch(tokens // settings.seq_len)
@@ -227,11 +255,22 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
                 squares[i, j] = torch.stack([(got - exact[rows]).square().sum(), exact[rows].square().sum()])
                 key = (codec.name, fqn)
                 sums[key] = got if sums[key] is None else sums[key] + got
+                if metered and in_meter_window(step, all_codecs[metered[0]].config):
+                    window_errors[i, fqn] = window_errors.get((i, fqn), 0) + (got - exact[rows])
         for fqn in names:
             exact = layers[fqn].weight.grad.double()[owned_rows(rank, world, layers[fqn].weight.shape[0])]
             exact_sums[fqn] = exact if exact_sums[fqn] is None else exact_sums[fqn] + exact
         dist.all_reduce(squares)
         step_errors[step] = (squares[..., 0] / squares[..., 1]).sqrt().float()
+        if metered and step % all_codecs[metered[0]].config.meter_interval == 0:
+            window = torch.stack([torch.stack([window_errors[i, fqn].square().sum() for fqn in names])
+                                  for i in range(len(all_codecs))])
+            dist.all_reduce(window)
+            window_errors.clear()
+            readings = {(all_codecs[i].name, fqn): (reducers[all_codecs[i].name].runtime.counters[fqn].error_vs_fp8,
+                                                    reducers[all_codecs[i].name].runtime.counters[fqn].accumulated_vs_fp8)
+                        for i in metered for fqn in names}
+            meter_log.append((step, readings, squares[..., 0].clone(), window))
         optimizer.step()
         loss = loss.detach()
         dist.all_reduce(loss)
@@ -255,7 +294,7 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         "codecs": [c.name for c in all_codecs], "collectives": [c.collective for c in all_codecs], "layers": names,
         "step_errors": step_errors, "accumulated": (accumulated[..., 0] / accumulated[..., 1]).sqrt(),
         "seconds": {k: v / steps for k, v in seconds.items()}, "bytes": bytes_per_step, "fallbacks": fallbacks,
-        "losses": losses,
+        "losses": losses, "meter": meter_log, "meter_twins": {all_codecs[i].name: meter_twin(all_codecs[i]) for i in metered},
     }
 
 
@@ -290,6 +329,36 @@ def summarize(result: dict, first_step: int) -> tuple[list[str], list[list]]:
             f"{acc.mean():.2f} / {acc[selected].max():.2f}", same_wire_ratios(result, i, selected, first_step),
             f"{result['seconds'][name]:.3f}", "-" if result["bytes"].get(name) is None else f"{result['bytes'][name] / 1024:.0f}",
         ])
+    return headers, rows
+
+
+def meter_table(result: dict) -> tuple[list[str], list[list]]:
+    """The live meter's readings (the library's counters) beside the truth this benchmark measures
+    from the exact average: per whitened codec, over every (reading, layer) after the first reading."""
+    codecs_, layers = result["codecs"], result["layers"]
+    headers = ["codec", "compared with", "readings", "one-step: meter / truth (mean)", "mean gap", "mean |gap|",
+               "same side of 1", "accumulated: meter / truth (mean)", "mean gap", "mean |gap|", "same side of 1"]
+    rows = []
+    for name, twin in result["meter_twins"].items():
+        pairs = {"one": [], "acc": []}
+        for step, readings, squares, window in result["meter"][1:]:
+            i, k = codecs_.index(name), codecs_.index(twin)
+            for j, fqn in enumerate(layers):
+                one, acc = readings[name, fqn]
+                if one is not None:
+                    pairs["one"].append((one, (squares[i, j] / squares[k, j]).sqrt().item()))
+                if acc is not None:
+                    pairs["acc"].append((acc, (window[i, j] / window[k, j]).sqrt().item()))
+        cells = []
+        for kind in ("one", "acc"):
+            got = pairs[kind]
+            if not got:
+                cells += ["-"] * 4
+                continue
+            gaps = [m - t for m, t in got]
+            cells += [f"{mean(m for m, _ in got):.3f} / {mean(t for _, t in got):.3f}", f"{mean(gaps):+.3f}",
+                      f"{mean(abs(g) for g in gaps):.3f}", f"{mean((m > 1) == (t > 1) for m, t in got):.0%}"]
+        rows.append([name, twin, len(pairs["one"]), *cells])
     return headers, rows
 
 
@@ -346,7 +415,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="WikiText-2 only, 60 steps")
     parser.add_argument("--codecs", choices=list(CODEC_SETS), default="defaults",
                         help="defaults: FP8 codecs and GIFT's settings; fp4: FP8 and FP4 wires, Euclidean / Hadamard / GIFT "
-                             "(writes fidelity_loop_fp4.md); stats: GIFT's statistics in fp32 or bf16 (fidelity_loop_stats.md)")
+                             "(writes fidelity_loop_fp4.md); stats: GIFT's statistics in fp32 or bf16 (fidelity_loop_stats.md); meter: the live "
+                             "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md)")
     args = parser.parse_args()
     if args.quick:
         args.setups, args.steps = ["wikitext"], 60
@@ -368,6 +438,12 @@ def main() -> None:
                   f"{first_step}..{args.steps - 1}; {time.time() - started:.0f} s.", "", table, "",
                   f"Fallbacks taken: {fallbacks or 'none'}.", ""]
         print("\n" + table + f"\nfallbacks: {fallbacks or 'none'}\n", flush=True)
+        if results[name]["meter"]:
+            headers, rows = meter_table(results[name])
+            meter = tabulate(rows, headers=headers, tablefmt="github")
+            lines += ["The live meter (the library's `error_vs_fp8` / `accumulated_vs_fp8` of every layer at every "
+                      "reading) beside the truth measured here from the exact average:", "", meter, ""]
+            print(meter + "\n", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}"
     command = "python benchmarks/fidelity_loop.py" + ("" if args.codecs == "defaults" else f" --codecs {args.codecs}")

@@ -67,6 +67,7 @@ def train_side_by_side(rank, world, cache_root, steps, name, config=CONFIG):
         "pass_calls": sum(p.calls for p in backend.passes),
         "fc2": runtime.counters["fc2"].as_dict(),
         "fc1": runtime.counters["fc1"].as_dict(),
+        "reference_fc2": reference.runtime.counters["fc2"].as_dict(),
         "checksum": runtime.state.checksum(),
         "final_weight": model.fc2.weight.detach().clone(),
     }
@@ -111,6 +112,11 @@ def test_counters_report_every_step(cold_run):
         assert fc2["stats_bytes"] > 0 and fc1["stats_bytes"] == 0  # the current-step sketch all-reduce
         assert 0 < fc2["last_rel_error"] < 2.0**-4  # one e4m3 rounding, in the gradient's coordinates
         assert fc2["error_vs_fp8"] is not None and fc1["error_vs_fp8"] is None
+        # The meter in the graph (gift::meter before the reduction, end_step after it) reads what
+        # the eager reference reads: same sketch, same shadow, bit-identical delivered gradients.
+        reference = result["reference_fc2"]
+        assert (fc2["error_vs_fp8"], fc2["accumulated_vs_fp8"]) == (reference["error_vs_fp8"], reference["accumulated_vs_fp8"])
+        assert fc2["accumulated_vs_fp8"] is not None  # error feedback is on
     assert cold_run[0]["checksum"] == cold_run[1]["checksum"]  # same basis on both ranks
     assert torch.equal(cold_run[0]["final_weight"], cold_run[1]["final_weight"])
 

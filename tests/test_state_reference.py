@@ -10,6 +10,7 @@ from torch import nn
 from gift_compile.config import GiftConfig
 from gift_compile.numerics import fp8_round_trip
 from gift_compile.agreement import GiftConfigMismatch
+from gift_compile.meter import Reading
 from gift_compile.reference import GiftReducer, GiftReference
 from gift_compile.state import GiftState
 
@@ -223,6 +224,21 @@ def test_a_layer_that_whitening_hurts_falls_back_and_is_retried(ranks):
     # their residuals' histories.
     assert all(abs(r - 1.0) < 0.15 for r in ratios[4:6])
     assert paths[-1][2] >= 1
+
+
+def test_the_worse_reading_decides_the_fallback():
+    """One-step readings below 1 do not keep a layer whitened whose accumulated error (what error
+    feedback exists for) is above Euclidean's: the verdict is the worse of the two."""
+    config = GiftConfig(layers=("fc",), fallback_patience=2, fallback_retry=5)
+    layer = GiftState(config).layer("fc", 4, 8, torch.device("cpu"), whitened=True)
+    layer.record_reading(Reading(0.8, 1.3))
+    assert int(layer.meter_over) == 1 and layer.whitening_on()
+    layer.record_reading(Reading(0.8, 1.3))
+    assert not layer.whitening_on() and int(layer.fallback_until) == 6
+    other = GiftState(config).layer("fc", 4, 8, torch.device("cpu"), whitened=True)
+    for reading in (Reading(0.8, 1.3), Reading(0.9, 0.95), Reading(1.2, None)):  # a reading at or below 1 resets the count
+        other.record_reading(reading)
+    assert other.whitening_on() and int(other.meter_over) == 1
 
 
 class MLP(nn.Module):
