@@ -11,6 +11,7 @@ LAYERS = [
     {"fp4"},
     {"collectives", "agreement"},
     {"comm", "policy"},
+    {"meter"},
     {"state"},
     {"counters"},
     {"runtime"},
