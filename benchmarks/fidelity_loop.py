@@ -175,6 +175,11 @@ class Setup:
     text: str
     tokenizer: str
     description: str
+    pretrain_text: str | None = None
+    """Fine-tuning: first train on this corpus (exact gradients, no codec measured) ..."""
+    pretrain_steps: int = 0
+    lr_ratio: float = 1.0
+    """... then measure the codecs on ``text`` at this fraction of the learning rate."""
 
 
 def setups() -> dict[str, Setup]:
@@ -185,6 +190,10 @@ def setups() -> dict[str, Setup]:
                           "WikiText-2 test.txt, shared 2k BPE tokenizer"),
         "shakespeare": Setup("shakespeare", str(DEFAULT_CORPUS), str(default_tokenizer_dir() / "tokenizer.json"),
                              "bundled Tiny Shakespeare, bundled 2k BPE tokenizer"),
+        "finetune": Setup("finetune", str(DEFAULT_CORPUS), str(DATA / "tokenizer" / "tokenizer.json"),
+                          "fine-tuning: pretrained 300 steps on WikiText-2, measured while fine-tuned on Tiny Shakespeare "
+                          "at 1/20 of the learning rate (shared 2k BPE tokenizer)",
+                          pretrain_text=str(DATA / "wikitext-2" / "test.txt"), pretrain_steps=300, lr_ratio=1 / 20),
     }
 
 
@@ -199,6 +208,36 @@ def owned_rows(rank: int, world: int, rows: int) -> slice:
     return slice(min(rank * c, rows), min((rank + 1) * c, rows))
 
 
+def local_backward(model, batcher: TokenBatcher, settings, tokens: int) -> torch.Tensor:
+    """Forward and backward on this rank's tokens; returns the loss."""
+    x, y = batcher.batch(tokens // settings.seq_len)
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def average_gradients(model, world: int) -> None:
+    """Replace every gradient by the exact average over the ranks (what the model trains on)."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def pretrain(model, setup: Setup, settings, rank: int, world: int, tokens: int, lr: float) -> None:
+    """The fine-tuning case's first phase: exact-gradient training on ``setup.pretrain_text``."""
+    batcher = TokenBatcher(load_token_ids(setup.pretrain_text, setup.tokenizer), settings.seq_len, seed=2000 + rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    start = time.time()
+    for step in range(setup.pretrain_steps):
+        loss = local_backward(model, batcher, settings, tokens)
+        average_gradients(model, world)
+        optimizer.step()
+        if rank == 0 and (step % 50 == 0 or step == setup.pretrain_steps - 1):
+            print(f"  [{setup.name}] pretraining step {step + 1}/{setup.pretrain_steps}  loss {loss.item():.3f}  "
+                  f"{time.time() - start:.0f}s", flush=True)
+
+
 def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: float, codec_set: str = "defaults"):
     torch.set_num_threads(1)
     settings = FULL
@@ -206,7 +245,9 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
     model = build_model(settings, vocab_size(setup.tokenizer))  # same seed: same weights on every rank
     layers = linear_layers(model)
     batcher = TokenBatcher(ids, settings.seq_len, seed=1000 + rank)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if setup.pretrain_text:
+        pretrain(model, setup, settings, rank, world, tokens, lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr * setup.lr_ratio, betas=(0.9, 0.95), weight_decay=0.1)
     all_codecs = CODEC_SETS[codec_set]()
     reducers = {c.name: GiftReducer(c.config) for c in all_codecs if c.stateful}
     rotations = {fqn: hadamard_rotation(module.weight.shape[1]) for fqn, module in layers.items()}
@@ -224,14 +265,9 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
     meter_log = []  # per reading step: (step, readings (codec, layer, one-step, accumulated), truth squares)
     start = time.time()
     for step in range(steps):
-        x, y = batcher.batch(tokens // settings.seq_len)
-        model.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        loss = local_backward(model, batcher, settings, tokens)
         grads = {fqn: layers[fqn].weight.grad.detach().clone() for fqn in names}
-        for p in model.parameters():  # train on the exact average
-            dist.all_reduce(p.grad)
-            p.grad /= world
+        average_gradients(model, world)
         squares = torch.zeros(len(all_codecs), len(names), 2, dtype=torch.float64)
         for i, codec in enumerate(all_codecs):
             t0 = time.perf_counter()
@@ -272,7 +308,6 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
                         for i in metered for fqn in names}
             meter_log.append((step, readings, squares[..., 0].clone(), window))
         optimizer.step()
-        loss = loss.detach()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
         if rank == 0 and (step % 10 == 0 or step == steps - 1):
@@ -407,7 +442,7 @@ def plot(results: dict[str, dict], first_step: int, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setups", nargs="+", choices=["wikitext", "shakespeare"], default=["wikitext", "shakespeare"])
+    parser.add_argument("--setups", nargs="+", choices=["wikitext", "shakespeare", "finetune"], default=["wikitext", "shakespeare"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--world", type=int, default=4, help="ranks (gloo processes)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
@@ -417,6 +452,7 @@ def main() -> None:
                         help="defaults: FP8 codecs and GIFT's settings; fp4: FP8 and FP4 wires, Euclidean / Hadamard / GIFT "
                              "(writes fidelity_loop_fp4.md); stats: GIFT's statistics in fp32 or bf16 (fidelity_loop_stats.md); meter: the live "
                              "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md)")
+    parser.add_argument("--results", help="stem of the result files in benchmarks/results (default: from --codecs)")
     args = parser.parse_args()
     if args.quick:
         args.setups, args.steps = ["wikitext"], 60
@@ -445,8 +481,8 @@ def main() -> None:
                       "reading) beside the truth measured here from the exact average:", "", meter, ""]
             print(meter + "\n", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = "fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}"
-    command = "python benchmarks/fidelity_loop.py" + ("" if args.codecs == "defaults" else f" --codecs {args.codecs}")
+    stem = args.results or ("fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}")
+    command = "python benchmarks/fidelity_loop.py " + " ".join(sys.argv[1:])
     (RESULTS / f"{stem}.md").write_text(f"# In-loop fidelity (`{command}`)\n\n" + "\n".join(lines))
     plot(results, first_step, RESULTS / f"{stem}.png")
     print(f"wrote {RESULTS / stem}.md and {stem}.png")
