@@ -14,7 +14,8 @@ own scale:
   ``2^(floor(log2 block_amax) - 2)``: the largest magnitude lands in [4, 8) and saturates at
   6): 4.25 bits per element.
 
-Values round to the nearest E2M1 number, ties to the even code (``torch.round`` is half to
+Values round to the nearest E2M1 number, ties to the even code (a value's index counts the
+midpoints between grid neighbours that it lies above, a tie counting where the upper code is
 even), and saturate at 6. Like the FP8 codec, nothing here branches on a value (Inductor
 traces and fuses it; eager and compiled agree bit for bit), zero blocks are safe, and a
 sender with a NaN or Inf anywhere sends every block's scale as NaN (E2M1 has no NaN: the
