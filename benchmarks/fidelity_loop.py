@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +58,7 @@ from gift_compile.reference import GiftReducer  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data"
-SELECTED_TYPES = ("q", "k", "v", "o")  # GiftConfig's default layers: the attention projections
+SELECTED_TYPES = ("q", "k", "v", "o", "qkv", "proj")  # the attention projections (Llama; GPT-2's fused qkv and proj)
 WINDOW = 10
 
 
@@ -180,6 +181,42 @@ class Setup:
     pretrain_steps: int = 0
     lr_ratio: float = 1.0
     """... then measure the codecs on ``text`` at this fraction of the learning rate."""
+    architecture: str = "llama"
+    """``llama`` (fidelity.build_model) or ``gpt2`` (:class:`GPT2`)."""
+
+
+class GPT2Block(nn.Module):
+    """A GPT-2 block: LayerNorm with biases, one fused ``qkv`` projection, GELU MLP with biases."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.fc_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        heads = [z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in self.qkv(self.ln_1(x)).split(d, dim=-1)]
+        attended = nn.functional.scaled_dot_product_attention(*heads, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc_out(nn.functional.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT2(nn.Module):
+    """GPT-2's architecture (learned position embeddings, pre-LayerNorm blocks) at the fidelity model's size."""
+
+    def __init__(self, vocab: int, dim: int, n_layers: int, n_heads: int, seq_len: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, dim), nn.Embedding(seq_len, dim)
+        self.blocks = nn.ModuleList(GPT2Block(dim, n_heads) for _ in range(n_layers))
+        self.ln_f, self.lm_head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
 
 
 def setups() -> dict[str, Setup]:
@@ -194,6 +231,9 @@ def setups() -> dict[str, Setup]:
                           "fine-tuning: pretrained 300 steps on WikiText-2, measured while fine-tuned on Tiny Shakespeare "
                           "at 1/20 of the learning rate (shared 2k BPE tokenizer)",
                           pretrain_text=str(DATA / "wikitext-2" / "test.txt"), pretrain_steps=300, lr_ratio=1 / 20),
+        "gpt2": Setup("gpt2", str(DATA / "wikitext-2" / "test.txt"), str(DATA / "tokenizer" / "tokenizer.json"),
+                      "GPT-2-style model (fused qkv, GELU MLP and LayerNorm with biases, learned positions) from scratch "
+                      "on WikiText-2, shared 2k BPE tokenizer", architecture="gpt2"),
     }
 
 
@@ -242,7 +282,9 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
     torch.set_num_threads(1)
     settings = FULL
     ids = load_token_ids(setup.text, setup.tokenizer)
-    model = build_model(settings, vocab_size(setup.tokenizer))  # same seed: same weights on every rank
+    torch.manual_seed(settings.seed)  # same seed: same weights on every rank
+    model = (build_model(settings, vocab_size(setup.tokenizer)) if setup.architecture == "llama" else
+             GPT2(vocab_size(setup.tokenizer), settings.dim, settings.n_layers, settings.n_heads, settings.seq_len))
     layers = linear_layers(model)
     batcher = TokenBatcher(ids, settings.seq_len, seed=1000 + rank)
     if setup.pretrain_text:
@@ -442,7 +484,7 @@ def plot(results: dict[str, dict], first_step: int, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setups", nargs="+", choices=["wikitext", "shakespeare", "finetune"], default=["wikitext", "shakespeare"])
+    parser.add_argument("--setups", nargs="+", choices=["wikitext", "shakespeare", "finetune", "gpt2"], default=["wikitext", "shakespeare"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--world", type=int, default=4, help="ranks (gloo processes)")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
