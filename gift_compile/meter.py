@@ -30,6 +30,7 @@ consecutive steps cancel, and the sum is what the optimizer integrates).
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -73,6 +74,7 @@ class Route:
     gather_error_feedback: bool
 
     @classmethod
+    @functools.lru_cache(maxsize=256)  # asked every step of every whitened layer; a handful of distinct routes
     def of(cls, config: GiftConfig, collective: str, op: str, group) -> Route:
         plan = policy.plan(config, "linear", selected=True, collective=collective)
         return cls(collective, op, resolve_group(group), WireFormat.gift(config), plan.error_feedback,

@@ -32,8 +32,8 @@ from torch import nn
 
 from gift_compile.collectives import resolve_group
 from gift_compile.config import GiftConfig
-from gift_compile.meter import DeliveredMeter, Reading
 from gift_compile.geometry import FACTOR_NAMES, Whitening, factorize, identity_whitening, initial_basis, second_moment
+from gift_compile.meter import DeliveredMeter, Reading
 
 log = logging.getLogger(__name__)
 
