@@ -17,9 +17,9 @@ So each parameter's slot, read across the ``world`` rows, is this rank's whole l
 The factors need the layer's inputs, which the reduce-scatter never sees. A forward hook on
 each selected ``nn.Linear`` calls ``gift::record_input`` (an opaque custom op: per-block
 ``torch.compile(fullgraph=True)`` traces the hook into the block's graph, no graph break, no
-recompilation), which starts the step: ``layer_step.issue_statistics`` sketches the input and
-issues the all-reduce that sums the sketch over the shard group. The reduce-scatter waits for
-it when the gradient arrives. Everything else (state, error feedback, meter, fallback,
+recompilation), which starts the step: ``layer_step.begin_eagerly`` sketches the input and
+issues the all-reduce that sums the sketch over the shard group, once for the layers that read
+the same input. The reduce-scatter waits for it when the gradient arrives. Everything else (state, error feedback, meter, fallback,
 counters, checkpoints) is the same runtime the compiled-graph route uses.
 
 The codec body (whiten, FP8/FP4 encode, ``all_to_all``, decode, unwhiten, the new residual) runs
@@ -56,7 +56,7 @@ from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.comm import Reduction, euclidean_reduce, quantized_reduce
-from gift_compile.layer_step import EagerAccess, LayerPlan, issue_statistics, reduce_layer
+from gift_compile.layer_step import EagerAccess, InputStatistics, LayerPlan, begin_eagerly, reduce_layer
 from gift_compile.policy import Plan
 from gift_compile.runtime import GiftRuntime, get_runtime
 
@@ -132,8 +132,8 @@ class FsdpRoute:
     selected: frozenset[str] = frozenset()
     plans: dict[str, LayerPlan] = field(default_factory=dict)
     """Linear layer FQN -> its step's plan (the shard group, the unsharded shape, whitened or not)."""
-    pending: dict[str, tuple] = field(default_factory=dict)
-    """Selected layer FQN -> ``issue_statistics``' result, from its forward until its reduce-scatter."""
+    pending: dict[str, tuple[LayerPlan, torch.Tensor, InputStatistics | None]] = field(default_factory=dict)
+    """Selected layer FQN -> ``layer_step.begin_eagerly``'s result, from its forward until its reduce-scatter."""
     segments: list[Segment] = field(default_factory=list)
     """Every parameter slot of every group (bytes accounting)."""
     hooked: set[str] = field(default_factory=set)
@@ -267,13 +267,15 @@ class GiftReduceScatter(ReduceScatter):
                     f"GIFT: no forward statistics for layer {segment.layer!r} this step: its gift::record_input "
                     "forward hook did not run (install with gift_compile.fsdp.install)"
                 )
-            step = dataclasses.replace(route.plans[segment.layer], op=op)
-            return reduce_layer(step, EagerAccess(runtime), grad, *pending, reduce=route.codec)
+            step, token, statistics = pending
+            step = dataclasses.replace(step, op=op)
+            factors = statistics.factors(step) if statistics is not None else None
+            return reduce_layer(step, EagerAccess(runtime), grad, token, factors, reduce=route.codec)
         if plan.stateful:
             # Euclidean with error feedback: the layer's step without whitening; it reads no
             # input, the gradient only gives the device.
             step, access = dataclasses.replace(route.plans[segment.layer], op=op), EagerAccess(runtime)
-            return reduce_layer(step, access, grad, *issue_statistics(step, access, grad), reduce=route.codec)
+            return reduce_layer(step, access, grad, access.begin(step, grad, None), None, reduce=route.codec)
         return self._stateless(runtime, plan, segment.layer or segment.module, segment, grad, group, op, "reduce_scatter")
 
 
@@ -292,7 +294,7 @@ def normalize_op(op) -> tuple[str, float | None]:
 
 @torch.library.custom_op("gift::record_input", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def record_input(namespace: str, fqn: str, layer_input: torch.Tensor) -> None:
-    """Start a selected layer's step from its forward input (``layer_step.issue_statistics``).
+    """Start a selected layer's step from its forward input (``layer_step.begin_eagerly``).
 
     The statistics a reduce-scatter uses are those of the layer's latest forward before it: a
     train-mode forward that no backward follows (a peek, a discarded micro-batch) is replaced
@@ -307,10 +309,11 @@ def record_input(namespace: str, fqn: str, layer_input: torch.Tensor) -> None:
     if earlier is not None:
         if torch._C._current_graph_task_id() != -1:  # a recompute inside the backward
             return
-        sketch = earlier[1]
-        if sketch is not None:
-            torch.ops._c10d_functional.wait_tensor(sketch)  # its all-reduce is in flight: finish it, drop it
-    route.pending[fqn] = issue_statistics(route.plans[fqn], EagerAccess(runtime), layer_input)
+        if earlier[2] is not None:
+            earlier[2].settle()  # its all-reduce is in flight: finish it, drop it
+    # A layer that reads the input of one recorded earlier this step (q, k and v; w1 and w3) shares its statistics.
+    taken = [statistics for _, _, statistics in route.pending.values() if statistics is not None]
+    route.pending[fqn] = begin_eagerly(route.plans[fqn], EagerAccess(runtime), layer_input, taken)
 
 
 @record_input.register_fake

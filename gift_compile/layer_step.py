@@ -6,9 +6,16 @@ A step has two halves, so a compiled graph can start the statistics early:
   during the forward): ``begin_step`` and, for current-step factors, this rank's sketch of
   the inputs and the all-reduce that sums it. The all-reduce is only issued here; its
   ``wait_tensor`` comes in the second half, so it overlaps with the compute in between.
-* :func:`reduce_layer` (where the gradient's own collective was): the factors from the
-  summed sketch (or the periodic ones), the live meter, then ``comm.quantized_reduce`` with the
-  layer's residuals, and ``end_step``.
+* :func:`reduce_layer` (where the gradient's own collective was): the factors (from
+  :func:`current_factors` on the summed sketch, or the periodic ones), the live meter, then
+  ``comm.quantized_reduce`` with the layer's residuals, and ``end_step``.
+
+Layers that read the same input (a block's q, k and v projections; its w1 and w3) have the same
+current-step factors: their sketches, their sums and every step of their subspace iteration
+are equal (every basis starts from ``geometry.initial_basis``, which depends on the shape only).
+So every route sketches such an input once: the first layer that reads it sends the statistics
+and computes the factors, the others (``LayerPlan.shares_statistics``) only begin their step and
+take those factors. That is fewer bytes, collectives and factorizations, and the same numbers.
 
 The state is reached through a :class:`StateAccess`: :class:`EagerAccess` calls a
 ``GiftRuntime`` directly (the reference); ``ops.OpsAccess`` calls the ``gift::`` custom ops,
@@ -17,6 +24,7 @@ which look the runtime up at run time (the compiled graph). Everything else is s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,6 +57,9 @@ class LayerPlan:
     op: str  # "sum" | "avg"
     group_name: str
     config: GiftConfig
+    shares_statistics: bool = False
+    """Another layer reads the same input and sends the statistics for both (module docstring):
+    this one sends none and takes that layer's current-step factors."""
 
     @classmethod
     def of(cls, fqn: str, d_out: int, d_in: int, config: GiftConfig, *, whitened: bool, collective: str, op: str,
@@ -91,7 +102,7 @@ class LayerPlan:
 
     @property
     def stats_bytes(self) -> int:
-        if not self.current_step:
+        if not self.current_step or self.shares_statistics:
             return 0
         return all_reduce_bytes(sketch_numel(self.d_in, self.low_rank), self.world, self.config.stats_dtype)
 
@@ -122,34 +133,47 @@ class StateAccess(Protocol):
         from ``reduction.output`` (what was delivered)."""
 
 
+CurrentFactors = tuple[Whitening, torch.Tensor, torch.Tensor]
+"""``(T, next basis, next sketch scale)``: what :func:`current_factors` derives from a summed sketch."""
+
+
+def sketch_all_reduce(plan: LayerPlan, layer_input: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Issue the sum over ranks of this rank's input sketch (``geometry.input_sketch``); no wait."""
+    sketch = input_sketch(layer_input, basis, scale, plan.config.stats_max_tokens)
+    if plan.config.stats_dtype == "bf16":
+        sketch = sketch.to(torch.bfloat16)
+    return c10d.all_reduce(sketch, "sum", plan.group_name)
+
+
 def issue_statistics(
     plan: LayerPlan, access: StateAccess, layer_input: torch.Tensor, agreed: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """First half: begin the step and start the all-reduce of this rank's input sketch.
     Returns ``(token, summed sketch (to be waited on), basis, sketch scale)``, the last three
-    None without current-step factors."""
+    None without current-step factors or when the layer ``shares_statistics``."""
     token = access.begin(plan, layer_input, agreed)
-    if not plan.current_step:
+    if not plan.current_step or plan.shares_statistics:
         return token, None, None, None
     basis, scale = access.basis(plan, token)
-    sketch = input_sketch(layer_input, basis, scale, plan.config.stats_max_tokens)
-    if plan.config.stats_dtype == "bf16":
-        sketch = sketch.to(torch.bfloat16)
-    return token, c10d.all_reduce(sketch, "sum", plan.group_name), basis, scale
+    return token, sketch_all_reduce(plan, layer_input, basis, scale), basis, scale
+
+
+def current_factors(plan: LayerPlan, sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> CurrentFactors:
+    """Wait for the summed sketch and derive the factors: once per input, for every layer that reads it."""
+    summed = c10d.wait_tensor(sketch).float()
+    return whitening_from_sketch(summed, basis, scale, plan.config.damping)
 
 
 def reduce_layer(
-    plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, sketch: torch.Tensor | None,
-    basis: torch.Tensor | None, scale: torch.Tensor | None, *, reduce=quantized_reduce,
+    plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, factors: CurrentFactors | None,
+    *, reduce=quantized_reduce,
 ) -> torch.Tensor:
     """Second half: factors, meter, the FP8 reduction with error feedback, ``end_step``.
+    ``factors``: :func:`current_factors` of the layer's input (current-step factors), else None.
     ``reduce`` is :func:`comm.quantized_reduce` or a compiled version of it (the FSDP route)."""
-    whitening, next_basis, next_scale = None, None, None
+    whitening, next_basis, next_scale = factors if factors is not None else (None, None, None)
     if plan.whitened:
-        if plan.current_step:
-            summed = c10d.wait_tensor(sketch).float()
-            whitening, next_basis, next_scale = whitening_from_sketch(summed, basis, scale, plan.config.damping)
-        else:
+        if whitening is None:
             whitening = Whitening.from_list(plan.config.whitening_layout, access.factors(plan, token))
         whitening = whitening.or_identity(token)
         token = access.meter(plan, grad, token)
@@ -194,10 +218,66 @@ class EagerAccess:
         self.runtime.end_step(plan.fqn, plan.group, reduction, next_basis, next_scale, plan.bytes_sent, plan.stats_bytes)
 
 
-def step_eagerly(plan: LayerPlan, runtime: GiftRuntime, grad: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
-    """Both halves back to back, on ``runtime``: one layer's step in the eager reference."""
+class InputStatistics:
+    """An eager route's current-step statistics of one layer input: the sketch's all-reduce in
+    flight, then the factors, computed once for every layer that reads that input."""
+
+    def __init__(self, plan: LayerPlan, access: StateAccess, token: torch.Tensor, layer_input: torch.Tensor) -> None:
+        # The input is held, so its memory cannot be reused by another tensor that would then match it.
+        self.layer_input, self.group_name = layer_input, plan.group_name
+        self.version = layer_input._version
+        self.basis, self.scale = access.basis(plan, token)
+        self.sketch = sketch_all_reduce(plan, layer_input, self.basis, self.scale)
+        self._factors: CurrentFactors | None = None
+        self._settled = False
+
+    def reads(self, plan: LayerPlan, layer_input: torch.Tensor) -> bool:
+        """Whether ``layer_input`` is this input, unchanged (a view of the same memory, shape and
+        strides, not written since), on the same group."""
+        x = self.layer_input
+        return (plan.group_name == self.group_name and layer_input.data_ptr() == x.data_ptr()
+                and layer_input.shape == x.shape and layer_input.stride() == x.stride() and layer_input.dtype == x.dtype
+                and layer_input.device == x.device and layer_input._version == self.version)
+
+    def factors(self, plan: LayerPlan) -> CurrentFactors:
+        if self._factors is None:
+            self._factors = current_factors(plan, self.sketch, self.basis, self.scale)
+        return self._factors
+
+    def settle(self) -> None:
+        """Finish the all-reduce of statistics that no step will use (a forward with no backward)."""
+        if self._factors is None and not self._settled:
+            c10d.wait_tensor(self.sketch)
+            self._settled = True
+
+
+def begin_eagerly(
+    plan: LayerPlan, access: StateAccess, layer_input: torch.Tensor, taken: list[InputStatistics]
+) -> tuple[LayerPlan, torch.Tensor, InputStatistics | None]:
+    """An eager route's first half: begin the step and, for current-step factors, take the
+    statistics of ``layer_input`` from ``taken`` (this step's, appended to) or issue them.
+    Returns the plan (``shares_statistics`` set when taken), the token and the statistics."""
+    token = access.begin(plan, layer_input, None)
+    if not plan.current_step:
+        return plan, token, None
+    for statistics in taken:
+        if statistics.reads(plan, layer_input):
+            return dataclasses.replace(plan, shares_statistics=True), token, statistics
+    taken.append(InputStatistics(plan, access, token, layer_input))
+    return plan, token, taken[-1]
+
+
+def step_eagerly(
+    plan: LayerPlan, runtime: GiftRuntime, grad: torch.Tensor, layer_input: torch.Tensor, taken: list[InputStatistics] | None = None
+) -> torch.Tensor:
+    """Both halves back to back, on ``runtime``: one layer's step in the eager reference.
+    ``taken``: the statistics of this step's earlier layers, shared with any that read the same input."""
     access = EagerAccess(runtime)
-    return reduce_layer(plan, access, grad, *issue_statistics(plan, access, layer_input))
+    plan, token, statistics = begin_eagerly(plan, access, layer_input, [] if taken is None else taken)
+    return reduce_layer(plan, access, grad, token, statistics.factors(plan) if statistics else None)
 
 
-__all__ = ["EagerAccess", "LayerPlan", "StateAccess", "issue_statistics", "reduce_layer", "step_eagerly"]
+__all__ = [
+    "CurrentFactors", "EagerAccess", "InputStatistics", "LayerPlan", "StateAccess", "begin_eagerly", "current_factors",
+    "issue_statistics", "reduce_layer", "step_eagerly",
+]

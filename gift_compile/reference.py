@@ -27,10 +27,9 @@ from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, resolve_group
 from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
-from gift_compile.layer_step import LayerPlan, step_eagerly
+from gift_compile.layer_step import InputStatistics, LayerPlan, step_eagerly
 from gift_compile.runtime import GiftRuntime
 from gift_compile.selection import linear_fqns, select_layers
-
 
 
 class GiftReducer:
@@ -53,13 +52,15 @@ class GiftReducer:
         op: str = "avg",
         collective: str = "all_reduce",
         whitened: bool = True,
+        taken: list[InputStatistics] | None = None,
     ) -> torch.Tensor:
-        """One step of one layer (``whitened=False``: Euclidean with error feedback)."""
+        """One step of one layer (``whitened=False``: Euclidean with error feedback). ``taken``:
+        this step's statistics so far, shared with a layer that reads the same input (``layer_step``)."""
         plan = LayerPlan.of(fqn, grad.shape[0], grad.shape[1], self.config, whitened=whitened, collective=collective, op=op,
                             group_name=self.group.group_name)
         # The ranks agree on this layer's step before its first collective (agreement.py).
         self.runtime.agree(self.group, describe(self.config, [(fqn, plan.describe())]), grad.device)
-        return step_eagerly(plan, self.runtime, grad, layer_input)
+        return step_eagerly(plan, self.runtime, grad, layer_input, taken)
 
 
 class GiftReference(GiftReducer):
@@ -94,6 +95,7 @@ class GiftReference(GiftReducer):
             world = self.group.size()
             entries = [(name, self.plans[name].describe(tuple(p.shape), "all_reduce", op, world)) for name, p in params]
             self.runtime.agree(self.group, describe(self.config, entries), params[0][1].device)
+        taken: list[InputStatistics] = []  # q, k and v (w1 and w3) read one input: one sketch
         for name, param in params:
             plan = self.plans[name]
             if plan.stateful:
@@ -101,7 +103,7 @@ class GiftReference(GiftReducer):
                 if fqn not in self._inputs:
                     raise RuntimeError(f"GiftReference: no forward input recorded for layer {fqn!r}; run the model's forward first")
                 layer_input = self._inputs[fqn].reshape(-1, param.grad.shape[1])  # the latest forward's
-                param.grad = self.reduce_layer(fqn, param.grad, layer_input, op=op, whitened=plan.whitened)
+                param.grad = self.reduce_layer(fqn, param.grad, layer_input, op=op, whitened=plan.whitened, taken=taken)
                 continue
             wire = plan.wire or WireFormat("bf16" if param.grad.dtype == torch.bfloat16 else "fp32")
             param.grad = euclidean_reduce(param.grad, op=op, group=self.group, wire=wire, collective="all_reduce",

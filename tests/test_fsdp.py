@@ -20,6 +20,7 @@ from gift_compile.comm import euclidean_reduce
 from gift_compile.fsdp import install
 from gift_compile.reference import GiftReducer
 from gift_compile.runtime import register_runtime
+from models import LlamaBlock
 
 
 class Mixed(nn.Module):
@@ -284,3 +285,46 @@ def native_hsdp(rank, world):
 def test_native_hsdp_is_refused_with_the_way_out(ranks):
     for message in ranks(4).run(native_hsdp):
         assert message is not None and "2-D (HSDP) mesh" in message and "replicate_group" in message
+
+
+LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def fsdp_llama_steps(rank, world, steps=3):
+    """A Llama block (q, k, v read one input; w1, w3 another), every Linear whitened, under
+    FSDP2 and layer by layer in the reference with no sharing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    config = GiftConfig(low_rank=4, meter_interval=2)
+    model = LlamaBlock()
+    replica = copy.deepcopy(model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    runtime = register_runtime("fsdp-llama", config)
+    install(model, runtime, "fsdp-llama", set(LINEARS), compile_codec=False)
+    reference, inputs, worst = GiftReducer(config), {}, 0.0
+    for fqn in LINEARS:
+        replica.get_submodule(fqn).register_forward_hook(lambda m, args, out, fqn=fqn: inputs.__setitem__(fqn, args[0].detach()))
+    for step in range(steps):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).square().mean().backward()
+        replica(x).square().mean().backward()
+        for fqn in LINEARS:
+            local = replica.get_submodule(fqn).weight.grad
+            want = reference.reduce_layer(fqn, local, inputs[fqn].reshape(-1, local.shape[1]), collective="reduce_scatter")
+            got = model.get_submodule(fqn).weight.grad.to_local()
+            worst = max(worst, (got - want[: got.shape[0]]).abs().max().item())
+        model.zero_grad()
+        replica.zero_grad()
+    return worst, {fqn: runtime.counters[fqn].stats_bytes for fqn in LINEARS}, {fqn: reference.runtime.counters[fqn].stats_bytes for fqn in LINEARS}
+
+
+def test_fsdp_layers_reading_one_input_send_one_sketch(ranks):
+    # The forward hooks of q, k and v see one input tensor: the first sketches it, the others
+    # take its statistics (layer_step.py: the same numbers), so the gradients equal the
+    # reference's that sketches every layer alone, bit for bit, and 3 of 7 sketches are not sent.
+    for worst, stats, alone in ranks(2).run(fsdp_llama_steps):
+        assert worst == 0.0
+        assert {fqn for fqn, b in stats.items() if b > 0} == {"wq", "wo", "w1", "w2"}
+        assert all(stats[fqn] == alone[fqn] for fqn in ("wq", "wo", "w1", "w2"))

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from functorch.compile import make_boxed_func
+from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.utils import is_cudagraph_unsafe_fx_node
@@ -63,7 +63,8 @@ def backward_before_and_after(model, config, namespace, selected, *inputs) -> tu
         snapshots.append((before.graph, rewritten.graph))
         return make_boxed_func(gm)
 
-    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=backward_compiler, decompositions=select_decomp_table())
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=backward_compiler,
+                           decompositions=select_decomp_table(), partition_fn=min_cut_rematerialization_partition)
     torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
     assert len(snapshots) == 1
     return snapshots[0]
@@ -222,18 +223,14 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
         self.assertExpectedInline(render_gift_graph(after), """\
 *                      gift::agree(NS, GROUP, description=...)
 wq                     gift::begin_step(NS, wq, GROUP, d_out=32, d_in=32, whitened=True)
-wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
 wk                     gift::begin_step(NS, wk, GROUP, d_out=32, d_in=32, whitened=True)
-wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
 wv                     gift::begin_step(NS, wv, GROUP, d_out=32, d_in=32, whitened=True)
 wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
 *                      gift::input_sketch(max_tokens=8192)
 wo                     gift::begin_step(NS, wo, GROUP, d_out=32, d_in=32, whitened=True)
 wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
 *                      gift::input_sketch(max_tokens=8192)
-*                      all_reduce(sum, GROUP) float32[520]
+*                      all_reduce(sum, GROUP) float32[260]
 w2                     mm -> grad float32[32, 64]
 w2                     all_to_all_single(GROUP) uint8[2056]
 *                      wait_tensor(all_reduce)
@@ -261,7 +258,7 @@ wo                     all_to_all_single(GROUP) uint8[1032]
 w3                     wait_tensor(all_gather_into_tensor)
 ffn_norm.weight        wait_tensor(all_reduce)
 wv                     mm -> grad float32[32, 32]
-wv                     gift::whitening_from_sketch(damping=1.0)
+*                      gift::whitening_from_sketch(damping=1.0)
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -270,7 +267,6 @@ w1                     wait_tensor(all_gather_into_tensor)
 wo                     wait_tensor(all_to_all_single)
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516]
 wk                     mm -> grad float32[32, 32]
-wk                     gift::whitening_from_sketch(damping=1.0)
 wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
@@ -278,7 +274,6 @@ wk                     all_to_all_single(GROUP) uint8[1032]
 wv                     wait_tensor(all_to_all_single)
 wv                     all_gather_into_tensor(GROUP) uint8[1, 516]
 wq                     mm -> grad float32[32, 32]
-wq                     gift::whitening_from_sketch(damping=1.0)
 wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
@@ -293,10 +288,10 @@ wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_byte
 wq                     wait_tensor(all_to_all_single)
 wq                     all_gather_into_tensor(GROUP) uint8[1, 516]
 wk                     wait_tensor(all_gather_into_tensor)
-wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
+wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=0)
 attention_norm.weight  wait_tensor(all_reduce)
 wq                     wait_tensor(all_gather_into_tensor)
-wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=520)""")
+wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=0)""")
 
     def test_llama_block_every_collective_is_accounted_for(self):
         # 9 parameters: 7 Linear weights (the 4 attention projections GIFT, w1/w2/w3 Euclidean
@@ -311,18 +306,14 @@ wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_byte
         self.assertExpectedInline(render_gift_graph(after), """\
 *                      gift::agree(NS, GROUP, description=...)
 wq                     gift::begin_step(NS, wq, GROUP, d_out=32, d_in=32, whitened=True)
-wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
 wk                     gift::begin_step(NS, wk, GROUP, d_out=32, d_in=32, whitened=True)
-wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
 wv                     gift::begin_step(NS, wv, GROUP, d_out=32, d_in=32, whitened=True)
 wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
 *                      gift::input_sketch(max_tokens=8192)
 wo                     gift::begin_step(NS, wo, GROUP, d_out=32, d_in=32, whitened=True)
 wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
 *                      gift::input_sketch(max_tokens=8192)
-*                      all_reduce(sum, GROUP) float32[520] -> wait
+*                      all_reduce(sum, GROUP) float32[260] -> wait
 w1                     gift::begin_step(NS, w1, GROUP, d_out=64, d_in=32, whitened=False)
 w3                     gift::begin_step(NS, w3, GROUP, d_out=64, d_in=32, whitened=False)
 w2                     gift::begin_step(NS, w2, GROUP, d_out=32, d_in=64, whitened=False)
@@ -354,7 +345,7 @@ wo                     all_to_all_single(GROUP) uint8[1032] -> wait
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wv                     mm -> grad float32[32, 32]
-wv                     gift::whitening_from_sketch(damping=1.0)
+*                      gift::whitening_from_sketch(damping=1.0)
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -362,21 +353,19 @@ wv                     all_to_all_single(GROUP) uint8[1032] -> wait
 wv                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     mm -> grad float32[32, 32]
-wk                     gift::whitening_from_sketch(damping=1.0)
 wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
 wk                     all_to_all_single(GROUP) uint8[1032] -> wait
 wk                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
-wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
+wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=0)
 wq                     mm -> grad float32[32, 32]
-wq                     gift::whitening_from_sketch(damping=1.0)
 wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
 wq                     all_to_all_single(GROUP) uint8[1032] -> wait
 wq                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
-wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=520)
+wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=0)
 attention_norm.weight  all_reduce(avg, GROUP) float32[32] -> wait  (original)""")
 
     def test_gpt_block_fused_qkv(self):

@@ -26,6 +26,8 @@ After (selected layer; the two halves are ``layer_step.issue_statistics`` and
     ...   (the rest of the forward / backward runs while the sketch travels)
     mm    = aten.mm(permute(grad_out), X)
     sk    = wait_tensor(sk) -> Rayleigh-Ritz (eigh r x r), qr -> T, T^-1 (low rank), Q'
+            (a layer that reads the same X as an earlier one, such as k and v after q, has no sk
+            of its own: it takes that layer's T, T^-1, Q'; ``layer_step`` says why that is exact)
     gift.meter(ns, fqn, mm, tok)
     R     = gift.load_residual(ns, fqn, d_out, d_in, tok)
     V     = (mm + R) @ T          -> amax, scale, clamp, cast to fp8, view uint8
@@ -57,7 +59,8 @@ from gift_compile import policy
 from gift_compile.agreement import describe
 from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
-from gift_compile.layer_step import LayerPlan, issue_statistics, reduce_layer
+from gift_compile.geometry import Whitening
+from gift_compile.layer_step import CurrentFactors, LayerPlan, current_factors, issue_statistics, reduce_layer
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
 from gift_compile.passes.overlap import STATISTICS, mark_gradient_collectives
@@ -77,6 +80,7 @@ _TRANSPOSES = {aten.permute.default, aten.t.default}
 _SAME_SHAPE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten._to_copy.default,
                aten.clone.default, torch.ops.prims.convert_element_type.default}
 _SCALAR_SCALE = {aten.div.Tensor, aten.mul.Tensor}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 @dataclass(frozen=True)
@@ -209,9 +213,10 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
         like = next(n for n in graph.find_nodes(op="placeholder") if isinstance(n.meta.get("val"), torch.Tensor))
         agreed = splice_traced(graph, lambda x: agree_first(namespace, groups, description, x), [like], after=like)
         before = set(graph.nodes)
+        shared: dict[tuple, list[fx.Node]] = {}
         for rewrite in rewrites:
             if rewrite.plan.stateful:
-                rewrite_stateful(graph, rewrite, config, namespace, agreed)
+                rewrite_stateful(graph, rewrite, config, namespace, agreed, shared)
             else:
                 rewrite_euclidean(graph, rewrite, namespace, agreed)
         batch_statistics(graph)
@@ -233,32 +238,43 @@ def batch_statistics(graph: fx.Graph) -> None:
     """One statistics all-reduce per block and group instead of one per layer: the sketches of a
     block's layers are concatenated and summed together, right after the last of them exists
     (in a joint graph, still during the forward), and each layer reads its slice after the
-    wait. A sum is elementwise, so every layer's summed sketch is the same as alone."""
-    buckets: dict[tuple, list[fx.Node]] = {}
+    wait. A sum is elementwise, so every layer's summed sketch is the same as alone. A sketch
+    that only exists after another layer of the block needs its sum (an input recomputed in
+    the backward, such as the attention output ``wo`` reads) starts a new batch."""
+    blocks: dict[tuple, list[fx.Node]] = {}
     for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
         if STATISTICS in node.meta:
-            buckets.setdefault((node.meta[STATISTICS], node.args[2]), []).append(node)
-    for (_, group_name), reduces in buckets.items():
-        if len(reduces) < 2:
-            continue
-        sketches = [r.args[0] for r in reduces]
-        sizes = [s.meta["val"].numel() for s in sketches]
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        last = max(sketches, key=order.__getitem__)
+            blocks.setdefault((node.meta[STATISTICS], node.args[2]), []).append(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for (block, group_name), reduces in blocks.items():
+        batches: list[list[fx.Node]] = []
+        for reduce in sorted(reduces, key=lambda r: order[r.args[0]]):
+            if batches and order[reduce.args[0]] < min(order[next(iter(r.users))] for r in batches[-1]):
+                batches[-1].append(reduce)  # its sketch exists before any of the batch's sums is waited on
+            else:
+                batches.append([reduce])
+        for batch in batches:
+            if len(batch) > 1:
+                _batch(graph, batch, block, group_name)
 
-        def summed(*parts):
-            whole = c10d.wait_tensor(c10d.all_reduce(torch.cat(parts), "sum", group_name))
-            return list(torch.split(whole, sizes))
 
-        slices = splice_traced(graph, summed, sketches, after=last)
-        for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
-            if node.args[0].target is torch.ops.aten.cat.default and node.args[0].args[0] == sketches:
-                node.meta[STATISTICS] = reduces[0].meta[STATISTICS]  # the block's one statistics all-reduce
-        for reduce, piece in zip(reduces, slices):
-            (wait,) = reduce.users
-            wait.replace_all_uses_with(piece)
-            graph.erase_node(wait)
-            graph.erase_node(reduce)
+def _batch(graph: fx.Graph, reduces: list[fx.Node], block: str, group_name: str) -> None:
+    sketches = [r.args[0] for r in reduces]
+    sizes = [s.meta["val"].numel() for s in sketches]
+
+    def summed(*parts):
+        whole = c10d.wait_tensor(c10d.all_reduce(torch.cat(parts), "sum", group_name))
+        return list(torch.split(whole, sizes))
+
+    slices = splice_traced(graph, summed, sketches, after=sketches[-1])
+    for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        if node.args[0].target is torch.ops.aten.cat.default and node.args[0].args[0] == sketches:
+            node.meta[STATISTICS] = block  # the batch's one statistics all-reduce
+    for reduce, piece in zip(reduces, slices):
+        (wait,) = reduce.users
+        wait.replace_all_uses_with(piece)
+        graph.erase_node(wait)
+        graph.erase_node(reduce)
 
 
 def gift_collectives_pass(graph: fx.Graph, config: GiftConfig, namespace: str, selected: frozenset[str]) -> list[GradientCollective]:
@@ -277,29 +293,57 @@ def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]
     graph.erase_node(found.collective)
 
 
-def rewrite_stateful(graph: fx.Graph, rewrite: Rewrite, config: GiftConfig, namespace: str, agreed: fx.Node) -> None:
+def rewrite_stateful(
+    graph: fx.Graph, rewrite: Rewrite, config: GiftConfig, namespace: str, agreed: fx.Node, shared: dict[tuple, list[fx.Node]]
+) -> None:
     """Replace a Linear weight-gradient collective by the two halves of ``layer_step``: the
-    statistics right after the layer's input exists (and after the agreement), the reduction
-    where the collective was."""
+    statistics right after the layer's input exists (and after the agreement), the factors and
+    the reduction where the collective was. ``shared``: the factors of each input sketched so
+    far (by :func:`input_key`); a layer that reads one of them takes those (``layer_step``)."""
     found = rewrite.found
     d_out, d_in = found.mm.meta["val"].shape
     plan = LayerPlan(found.fqn, d_out, d_in, rewrite.plan, found.collective_type, found.op, found.group_name, config)
-    access = OpsAccess(namespace)
     layer_input = found.mm.args[1]
+    key = (*input_key(layer_input), found.group_name)
+    factors = shared.get(key) if plan.current_step else None
+    if factors is not None:
+        plan = dataclasses.replace(plan, shares_statistics=True)
+    access = OpsAccess(namespace)
     anchor = agreed if layer_input.op == "placeholder" else layer_input  # the agreement is the first computation
-    early = splice_traced(graph, lambda x, ok: issue_statistics(plan, access, x, ok), [layer_input, agreed], after=anchor)
-    early = [n for n in early if n is not None]
-    if len(early) == 4:
-        early[1].meta[STATISTICS] = block_of(found.fqn)  # the sketch's all_reduce: batched per block below
+    token, *statistics = splice_traced(graph, lambda x, ok: issue_statistics(plan, access, x, ok), [layer_input, agreed],
+                                       after=anchor)
+    if statistics[0] is not None:  # this layer sketches its input: the factors, computed once, before its reduction
+        statistics[0].meta[STATISTICS] = block_of(found.fqn)  # the sketch's all_reduce: batched per block below
+        factors = splice_traced(graph, lambda *s: flat_factors(current_factors(plan, *s)), statistics, before=found.wait)
+        shared[key] = factors
 
-    if len(early) == 4:  # current-step factors: (token, summed sketch, basis, sketch scale)
-        def late(grad, token, sketch, basis, scale):
-            return reduce_layer(plan, access, grad, token, sketch, basis, scale)
-    else:  # periodic factors, or no whitening: the token only
+    if factors is None:  # periodic factors, or no whitening: the token only
         def late(grad, token):
-            return reduce_layer(plan, access, grad, token, None, None, None)
+            return reduce_layer(plan, access, grad, token, None)
+    else:
+        def late(grad, token, *flat):
+            return reduce_layer(plan, access, grad, token, unflat_factors(list(flat)))
 
-    _replace(graph, found, late, [found.collective.args[0], *early])
+    _replace(graph, found, late, [found.collective.args[0], token, *(factors or [])])
+
+
+def input_key(node: fx.Node) -> tuple[fx.Node, tuple[int, ...]]:
+    """What a weight-gradient ``mm`` reads as the layer's input: the node under its view glue,
+    and the shape read. Views and reshapes keep the row-major order of the elements, so two
+    layers with the same key read the same values."""
+    shape = tuple(node.meta["val"].shape)
+    while node.target in _VIEWS:
+        node = node.args[0]
+    return node, shape
+
+
+def flat_factors(factors: CurrentFactors) -> list[torch.Tensor]:
+    whitening, next_basis, next_scale = factors
+    return [*whitening.tensors.values(), next_basis, next_scale]
+
+
+def unflat_factors(flat: list[torch.Tensor]) -> CurrentFactors:
+    return Whitening.from_list("lowrank", flat[:-2]), flat[-2], flat[-1]
 
 
 def rewrite_euclidean(graph: fx.Graph, rewrite: Rewrite, namespace: str, agreed: fx.Node) -> None:
