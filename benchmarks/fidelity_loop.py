@@ -146,7 +146,20 @@ def meter_twin(codec: Codec) -> str:
     return f"{route}Euclidean FP8{' + EF' if codec.config.error_feedback else ''}"
 
 
-CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs}
+def damping_codecs() -> list[Codec]:
+    """GIFT with its fixed damping and with ``adaptive_damping`` (each layer's own, moved by its
+    meter readings), both routes, beside Euclidean FP8 with and without error feedback."""
+    fp8 = GiftConfig(layers=())
+    out = [
+        Codec("Euclidean FP8", fp8, whitened=False),
+        Codec("Euclidean FP8 + EF", fp8.replace(euclidean_error_feedback=True), whitened=False),
+        Codec("GIFT defaults", fp8),
+        Codec("GIFT adaptive damping", fp8.replace(adaptive_damping=True)),
+    ]
+    return out + [dataclasses.replace(c, name=f"all-reduce: {c.name}", collective="all_reduce") for c in out]
+
+
+CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs, "damping": damping_codecs}
 
 
 def codecs() -> list[Codec]:
@@ -367,11 +380,13 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         else:  # stateless: what the same wire sends for every layer
             bytes_per_step[c.name] = sum(bytes_sent(tuple(m.weight.shape), world, c.wire, c.collective) for m in layers.values())
     fallbacks = {c.name: sum(k.fallbacks for k in reducers[c.name].runtime.counters.values()) for c in all_codecs if c.whitened}
+    dampings = {c.name: {fqn: reducers[c.name].runtime.state.layer(fqn).damping for fqn in names}
+                for c in all_codecs if c.whitened and c.config.adaptive_damping}
     return {
         "codecs": [c.name for c in all_codecs], "collectives": [c.collective for c in all_codecs], "layers": names,
         "step_errors": step_errors, "accumulated": (accumulated[..., 0] / accumulated[..., 1]).sqrt(),
         "seconds": {k: v / steps for k, v in seconds.items()}, "bytes": bytes_per_step, "fallbacks": fallbacks,
-        "losses": losses, "meter": meter_log, "meter_twins": {all_codecs[i].name: meter_twin(all_codecs[i]) for i in metered},
+        "losses": losses, "meter": meter_log, "dampings": dampings, "meter_twins": {all_codecs[i].name: meter_twin(all_codecs[i]) for i in metered},
     }
 
 
@@ -493,7 +508,8 @@ def main() -> None:
     parser.add_argument("--codecs", choices=list(CODEC_SETS), default="defaults",
                         help="defaults: FP8 codecs and GIFT's settings; fp4: FP8 and FP4 wires, Euclidean / Hadamard / GIFT "
                              "(writes fidelity_loop_fp4.md); stats: GIFT's statistics in fp32 or bf16 (fidelity_loop_stats.md); meter: the live "
-                             "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md)")
+                             "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md); "
+                             "damping: fixed against adaptive damping (fidelity_loop_damping.md)")
     parser.add_argument("--results", help="stem of the result files in benchmarks/results (default: from --codecs)")
     args = parser.parse_args()
     if args.quick:
@@ -510,6 +526,10 @@ def main() -> None:
         headers, rows = summarize(results[name], first_step)
         table = tabulate(rows, headers=headers, tablefmt="github")
         fallbacks = ", ".join(f"{k}: {v}" for k, v in results[name]["fallbacks"].items() if v)
+        for codec, final in results[name]["dampings"].items():  # adaptive_damping: where each layer type ended
+            by_type = {t: sorted(d for fqn, d in final.items() if layer_type(fqn) == t) for t in TYPE_ORDER}
+            fallbacks += ("; " if fallbacks else "") + f"{codec} final damping (min / median / max): " + ", ".join(
+                f"{t} {v[0]:.3g} / {v[len(v) // 2]:.3g} / {v[-1]:.3g}" for t, v in by_type.items() if v)
         lines += [f"## {setup.description}", "",
                   f"{args.world} ranks x {args.tokens} tokens per step, {args.steps} steps (AdamW lr {args.lr}, exact-gradient training; "
                   f"loss {results[name]['losses'][0]:.2f} -> {results[name]['losses'][-1]:.2f}); one-step ratios averaged over steps "

@@ -8,12 +8,12 @@ with a flag, e.g. for a GPU):
 * data-parallel gradient traffic per GPU per step: a bandwidth-optimal ring, so an all-reduce
   sends ``2 (N-1)/N`` and a reduce-scatter ``(N-1)/N`` of the gradient bytes, plus ``alpha``
   per ring hop; FP8 bytes are 1 per element (+ scales, negligible), GIFT adds its statistics
-  (``d_in x r`` fp32 per whitened layer, all-reduced);
+  (``d_in x r`` fp32 per whitened input, all-reduced: q, k and v share one);
 * codec time: the FP8 quantize + dequantize of every gradient element at ``codec_gbps``
   (GB/s of fp32 gradient);
 * GIFT's extra compute: per whitened layer and step, whitening and unwhitening plus the error
   feedback's transform (6 rank-``r`` GEMMs over ``d_out x d_in``) and the input sketch
-  (``4 tokens d_in r``), at ``gemm_tflops``;
+  (``4 tokens d_in r``, once per input), at ``gemm_tflops``;
 * compute: ``6 P tokens`` flops at ``peak x MFU``.
 
 Without overlap a step is compute + communication + codec; with perfect overlap
@@ -66,6 +66,9 @@ MODELS = {
     "paper 600M": llama("paper 600M (dim 1280, 24 blocks, ffn 5120; w2 of 13 blocks whitened)", 1280, 24, 5120, 1280, 32000, ("w2",)),
     "llama3 8B": llama("Llama-3 8B (attention projections whitened)", 4096, 32, 14336, 1024, 128256, ("wq", "wk", "wv", "wo")),
 }
+INPUT_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "wo", "w1": "ffn", "w3": "ffn", "w2": "w2",
+            "output": "output"}
+"""The input each Linear type reads: one sketch per input (``gift_compile/layer_step.py``)."""
 PAPER_SELECTED_BLOCKS = 13  # the paper whitens w2 of 13 of the 24 blocks
 SHAPED_LINK = Path(__file__).resolve().parent / "results" / "shaped_link.json"
 
@@ -144,13 +147,17 @@ def project(model: Model, cluster: Cluster, path: str, codec_gbps: dict[str, flo
         codec = 2 * model.params * 4 / (codec_gbps[wire] * 1e9)  # quantize and dequantize (both all-reduce phases)
     if path.startswith("GIFT"):
         stats = flops = 0.0
+        sketched = set()  # layers that read one input (q, k, v; w1, w3) send one sketch
         for kind in model.selected:
             d_out, d_in, count = model.linear_shapes[kind]
             if model.name.startswith("paper"):
                 count = PAPER_SELECTED_BLOCKS
-            stats += count * d_in * rank * 4
-            flops += count * (6 * 2 * d_out * d_in * rank + 4 * cluster.tokens_per_gpu * d_in * rank)
-        comm += 2 * (n - 1) / n * stats / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6 * len(model.selected)
+            flops += count * 6 * 2 * d_out * d_in * rank
+            if INPUT_OF[kind] not in sketched:
+                sketched.add(INPUT_OF[kind])
+                stats += count * d_in * rank * 4
+                flops += count * 4 * cluster.tokens_per_gpu * d_in * rank
+        comm += 2 * (n - 1) / n * stats / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6 * len(sketched)
         gemms = flops / (gemm_tflops * 1e12)
     compute = 6 * model.params * cluster.tokens_per_gpu / (cluster.peak_tflops * 1e12 * cluster.mfu)
     serial = compute + comm + codec + gemms
@@ -181,7 +188,7 @@ def main() -> None:
     for model, cluster in SCENARIOS:
         print(f"\n{model.name}: {model.params / 1e9:.2f}B parameters; {cluster.name}; {cluster.tokens_per_gpu} tokens/GPU/step")
         print(f"  assumed: compute at {cluster.peak_tflops:.0f} TFLOP/s x MFU {cluster.mfu}; ring all-reduce of the gradients; "
-              f"alpha {cluster.alpha_us:.0f} us per hop; GIFT statistics d_in x {args.rank} fp32 per whitened layer")
+              f"alpha {cluster.alpha_us:.0f} us per hop; GIFT statistics d_in x {args.rank} fp32 per whitened input (q, k, v share one)")
         rows, fp32 = [], None
         for path in PATHS:
             t = project(model, cluster, path, {"fp8": codec, "fp4": fp4}, gemm, args.rank, efficiency)

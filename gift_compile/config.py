@@ -82,7 +82,15 @@ class GiftConfig:
     """Added to ``A`` as ``damping * mean_eigenvalue(A) * I`` before factorizing. It bounds how much
     the transform can amplify directions with little input variance (whose estimate from one
     step's tokens is noisy) and keeps dead inputs finite; 1.0 measured best in the training
-    loop (benchmarks/fidelity_loop.py), also for fresh factors."""
+    loop (benchmarks/fidelity_loop.py), also for fresh factors. With ``adaptive_damping``: each
+    layer's starting value."""
+
+    adaptive_damping: bool = False
+    """Current-step factors only: each whitened layer moves its own damping (its whitening
+    strength, from full whitening towards ``T = I``, Euclidean) by a factor of 2 at each live
+    meter reading, in the direction that lowered the reading, within ``2^-7`` to ``2^7`` times
+    ``damping`` (``state.py``). Every rank reads the same summed meter, so every rank holds the same damping.
+    Layers that read one input then each sketch it (their damping differs)."""
 
     stats_dtype: StatsDtype = "fp32"
     """Dtype of the current-step statistics on the wire (``d_in x low_rank`` per layer, summed over
@@ -185,9 +193,11 @@ class GiftConfig:
                 _check_int(name, getattr(self, name))
         _check_float("damping", self.damping, low=MIN_DAMPING, high=1e3, closed_low=True)
         _check_float("ema_decay", self.ema_decay, low=0.0, high=1.0, closed_low=True)
-        for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback", "overlap"):
+        for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback", "overlap", "adaptive_damping"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftConfig.{name}={getattr(self, name)!r} is invalid; it must be true or false")
+        if self.adaptive_damping and self.factor_source != "current_step":
+            raise ValueError("GiftConfig.adaptive_damping=true needs factor_source='current_step' (the periodic factors keep one damping)")
         if self.factor_source == "current_step" and self.factorization != "symmetric":
             raise ValueError(
                 "GiftConfig.factorization='cholesky' needs factor_source='periodic'; the current-step "

@@ -37,6 +37,8 @@ class LayerCounters:
     GIFT helps."""
     accumulated_vs_fp8: float | None = None
     """With error feedback: the same for the errors summed over the meter's window."""
+    damping: float | None = None
+    """With ``adaptive_damping``: the damping the layer's next step uses."""
     fallback_until: int | None = None
     """While set, the layer travels as Euclidean FP8 until this step (the meter said GIFT hurt)."""
     fallbacks: int = 0
@@ -78,7 +80,7 @@ class LayerCounters:
             "saturated": int(saturated), "flushed": int(flushed), "refreshes": self.refreshes,
             "last_refresh_step": self.last_refresh_step, "last_rel_error": rel_error,
             "error_vs_fp8": self.error_vs_fp8,
-            "accumulated_vs_fp8": self.accumulated_vs_fp8, "fallback_until": self.fallback_until, "fallbacks": self.fallbacks,
+            "accumulated_vs_fp8": self.accumulated_vs_fp8, "damping": self.damping, "fallback_until": self.fallback_until, "fallbacks": self.fallbacks,
             "restarts": 0 if self._restarts is None else int(self._restarts),
         }
 
@@ -105,10 +107,11 @@ def counters_table(counters: dict[str, LayerCounters]) -> str:
         path = d["path"] if d["fallback_until"] is None else f"{d['path']} (FP8 until step {d['fallback_until']})"
         rows.append((
             fqn, path, d["steps"], d["bytes_sent"], d["stats_bytes"], d["saturated"], d["flushed"],
-            _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), _fmt(d["accumulated_vs_fp8"], ".2f"), d["fallbacks"], d["restarts"],
+            _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), _fmt(d["accumulated_vs_fp8"], ".2f"), _fmt(d["damping"], ".3g"),
+            d["fallbacks"], d["restarts"],
         ))
     headers = ["layer", "path", "steps", "bytes sent", "stats bytes", "saturated", "flushed",
-               "last rel. error", "error vs fp8", "accumulated vs fp8", "fallbacks", "restarts"]
+               "last rel. error", "error vs fp8", "accumulated vs fp8", "damping", "fallbacks", "restarts"]
     return tabulate(rows, headers=headers)
 
 

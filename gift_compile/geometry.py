@@ -199,7 +199,7 @@ def _(x, basis, scale, max_tokens=None):
 
 
 @torch.library.custom_op("gift::whitening_from_sketch", mutates_args=())
-def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: float) -> list[torch.Tensor]:
+def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor) -> list[torch.Tensor]:
     d, r = basis.shape
     # No host sync on a bad value: a sketch that is not finite (an input with NaN/Inf, or one so
     # large the sketch overflowed before ``scale`` adapted) gives T = I for this step, keeps the
@@ -215,7 +215,7 @@ def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: tor
     values = values.flip(0).clamp_min(0.0)
     ritz = basis.double() @ vectors.flip(1)
     trace = sketch[-2].double() * unscale / tokens
-    shift = damping * (trace / d).clamp_min(1e-30)
+    shift = damping.double() * (trace / d).clamp_min(1e-30)
     damped = values + shift
     if r < d:
         rest = ((trace - values.sum()) / (d - r)).clamp_min(0.0) + shift
@@ -240,7 +240,7 @@ def _(sketch, basis, scale, damping):
 
 
 def whitening_from_sketch(
-    sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: float
+    sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor | float
 ) -> tuple[Whitening, torch.Tensor, torch.Tensor]:
     """``(T, next basis, next sketch scale)`` from the all-reduced ``input_sketch`` of every rank.
 
@@ -248,8 +248,10 @@ def whitening_from_sketch(
     orthonormal ``Q`` gives eigenpairs of ``Q^T A Q = Q^T W``; the rest of the spectrum is
     ``sigma = (tr A - sum l) / (d - r)``. Both are damped by ``damping * tr(A) / d``. The next
     basis is ``qr(W)``: one more subspace-iteration step, with this step's inputs. A sketch that
-    is not finite gives ``T = I`` and keeps the basis (see the op above).
+    is not finite gives ``T = I`` and keeps the basis (see the op above). ``damping`` is a 0-d
+    tensor (a layer's own, which ``adaptive_damping`` moves) or a number.
     """
+    damping = torch.as_tensor(damping, dtype=torch.float32, device=sketch.device)
     ritz, *rest, next_basis, next_scale = torch.ops.gift.whitening_from_sketch(sketch, basis, scale, damping)
     return Whitening.from_list("lowrank", [ritz, *rest]), next_basis, next_scale
 

@@ -16,6 +16,7 @@ are equal (every basis starts from ``geometry.initial_basis``, which depends on 
 So every route sketches such an input once: the first layer that reads it sends the statistics
 and computes the factors, the others (``LayerPlan.shares_statistics``) only begin their step and
 take those factors. That is fewer bytes, collectives and factorizations, and the same numbers.
+(Not with ``adaptive_damping``: each layer's damping is its own, and so are its factors.)
 
 The state is reached through a :class:`StateAccess`: :class:`EagerAccess` calls a
 ``GiftRuntime`` directly (the reference); ``ops.OpsAccess`` calls the ``gift::`` custom ops,
@@ -85,6 +86,12 @@ class LayerPlan:
         return self.whitened and self.config.factor_source == "current_step"
 
     @property
+    def may_share_statistics(self) -> bool:
+        """Current-step factors with one damping for every layer (not ``adaptive_damping``):
+        layers that read one input have the same factors (module docstring)."""
+        return self.current_step and not self.config.adaptive_damping
+
+    @property
     def low_rank(self) -> int:
         return self.config.factor_rank(self.d_in)
 
@@ -114,8 +121,8 @@ class StateAccess(Protocol):
         """Start the step; a 0-d float on the input's device: 1.0 whiten, 0.0 fallback (T = I).
         ``agreed`` (a compiled graph's ``gift::agree`` result) orders the step after the ranks' check."""
 
-    def basis(self, plan: LayerPlan, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The subspace basis and the sketch's scale (``geometry.input_sketch``)."""
+    def basis(self, plan: LayerPlan, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The subspace basis, the sketch's scale (``geometry.input_sketch``) and the damping (0-d)."""
 
     def factors(self, plan: LayerPlan, token: torch.Tensor) -> list[torch.Tensor]: ...
 
@@ -147,21 +154,23 @@ def sketch_all_reduce(plan: LayerPlan, layer_input: torch.Tensor, basis: torch.T
 
 def issue_statistics(
     plan: LayerPlan, access: StateAccess, layer_input: torch.Tensor, agreed: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, ...]:
     """First half: begin the step and start the all-reduce of this rank's input sketch.
-    Returns ``(token, summed sketch (to be waited on), basis, sketch scale)``, the last three
-    None without current-step factors or when the layer ``shares_statistics``."""
+    Returns ``(token, summed sketch (to be waited on), basis, sketch scale, damping)``, the
+    last four None without current-step factors or when the layer ``shares_statistics``."""
     token = access.begin(plan, layer_input, agreed)
     if not plan.current_step or plan.shares_statistics:
-        return token, None, None, None
-    basis, scale = access.basis(plan, token)
-    return token, sketch_all_reduce(plan, layer_input, basis, scale), basis, scale
+        return token, None, None, None, None
+    basis, scale, damping = access.basis(plan, token)
+    return token, sketch_all_reduce(plan, layer_input, basis, scale), basis, scale, damping
 
 
-def current_factors(plan: LayerPlan, sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> CurrentFactors:
+def current_factors(
+    plan: LayerPlan, sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor
+) -> CurrentFactors:
     """Wait for the summed sketch and derive the factors: once per input, for every layer that reads it."""
     summed = c10d.wait_tensor(sketch).float()
-    return whitening_from_sketch(summed, basis, scale, plan.config.damping)
+    return whitening_from_sketch(summed, basis, scale, damping)
 
 
 def reduce_layer(
@@ -199,7 +208,7 @@ class EagerAccess:
 
     def basis(self, plan, token):
         layer = self.runtime.layer(plan.fqn)
-        return layer.basis, layer.sketch_scale
+        return layer.basis, layer.sketch_scale, torch.full((), layer.damping, device=layer.basis.device)
 
     def factors(self, plan, token):
         return self.runtime.layer(plan.fqn).factor_tensors()
@@ -226,7 +235,7 @@ class InputStatistics:
         # The input is held, so its memory cannot be reused by another tensor that would then match it.
         self.layer_input, self.group_name = layer_input, plan.group_name
         self.version = layer_input._version
-        self.basis, self.scale = access.basis(plan, token)
+        self.basis, self.scale, self.damping = access.basis(plan, token)
         self.sketch = sketch_all_reduce(plan, layer_input, self.basis, self.scale)
         self._factors: CurrentFactors | None = None
         self._settled = False
@@ -241,7 +250,7 @@ class InputStatistics:
 
     def factors(self, plan: LayerPlan) -> CurrentFactors:
         if self._factors is None:
-            self._factors = current_factors(plan, self.sketch, self.basis, self.scale)
+            self._factors = current_factors(plan, self.sketch, self.basis, self.scale, self.damping)
         return self._factors
 
     def settle(self) -> None:
@@ -260,11 +269,13 @@ def begin_eagerly(
     token = access.begin(plan, layer_input, None)
     if not plan.current_step:
         return plan, token, None
-    for statistics in taken:
+    for statistics in taken if plan.may_share_statistics else ():
         if statistics.reads(plan, layer_input):
             return dataclasses.replace(plan, shares_statistics=True), token, statistics
-    taken.append(InputStatistics(plan, access, token, layer_input))
-    return plan, token, taken[-1]
+    statistics = InputStatistics(plan, access, token, layer_input)
+    if plan.may_share_statistics:
+        taken.append(statistics)
+    return plan, token, statistics
 
 
 def step_eagerly(

@@ -10,7 +10,7 @@ call. :class:`OpsAccess` is the ``layer_step.StateAccess`` that emits them::
             the ranks compare what they are about to send (agreement.py), once per graph; 1.0
     token = gift::begin_step(ns, fqn, group, d_out, d_in, whitened, layer_input, ok)
             create/place the layer state, refresh periodic factors when due; 1.0 (whiten) or 0.0 (fallback)
-    Q, s  = gift::load_basis(ns, fqn, d_in, low_rank, token)      copies of the subspace basis and sketch scale
+    Q,s,l = gift::load_basis(ns, fqn, d_in, low_rank, token)      copies of the subspace basis, sketch scale, damping
     T...  = gift::load_factors(ns, fqn, d_in, low_rank, token)    copies of the periodic factors
     R     = gift::load_residual(ns, fqn, d_out, d_in, token)      the residual itself
     R2    = gift::load_gather_residual(ns, fqn, rows, cols, token)
@@ -79,13 +79,14 @@ def _(namespace, fqn, group_name, d_out, d_in, whitened, layer_input, agreed):
 @torch.library.custom_op("gift::load_basis", mutates_args=(), tags=_RUNS_PYTHON)
 def load_basis(namespace: str, fqn: str, d_in: int, low_rank: int, token: torch.Tensor) -> list[torch.Tensor]:
     layer = get_runtime(namespace).layer(fqn)
-    # copies (d_in x rank and a scalar: small), because end_step overwrites the state
-    return [layer.basis.clone(memory_format=torch.contiguous_format), layer.sketch_scale.clone()]
+    # copies (d_in x rank and scalars: small), because end_step overwrites the state
+    return [layer.basis.clone(memory_format=torch.contiguous_format), layer.sketch_scale.clone(),
+            torch.full((), layer.damping, device=layer.basis.device)]
 
 
 @load_basis.register_fake
 def _(namespace, fqn, d_in, low_rank, token):
-    return [token.new_empty((d_in, low_rank)), token.new_empty(())]
+    return [token.new_empty((d_in, low_rank)), token.new_empty(()), token.new_empty(())]
 
 
 @torch.library.custom_op("gift::load_factors", mutates_args=(), tags=_RUNS_PYTHON)

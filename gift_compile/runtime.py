@@ -136,6 +136,8 @@ class GiftRuntime:
             if reading is not None:
                 counter.error_vs_fp8, counter.accumulated_vs_fp8 = reading
                 layer.record_reading(reading)
+                if self.config.adaptive_damping and layer.current_step:
+                    counter.damping = layer.damping
         if int(layer.fallback_until) != before:
             counter.fallbacks += 1
         layer.end_step(reduction.residual, reduction.gather_residual, next_basis, next_scale)

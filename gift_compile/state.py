@@ -38,8 +38,11 @@ from gift_compile.meter import DeliveredMeter, Reading
 log = logging.getLogger(__name__)
 
 # Host-side bookkeeping: Python reads these every step (is a refresh due? is the layer on its
-# fallback?), which must never wait for a GPU. Everything else lives on the gradient's device.
-HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over")
+# fallback? its damping?), which must never wait for a GPU. Everything else lives on the gradient's device.
+HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over", "damping_exponent", "damping_direction", "last_verdict")
+
+DAMPING_OCTAVES = 7
+"""``adaptive_damping``: a layer's damping stays within ``2^-7`` to ``2^7`` times ``config.damping``."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -49,6 +52,14 @@ def _fresh(key: tuple, device: torch.device) -> torch.Tensor:
         return initial_basis(key[1], key[2]).to(device)
     layout, dim, rank, name = key
     return identity_whitening(layout, dim, rank).tensors[name].to(device)
+
+
+ADAPTIVE_DAMPING_START = {
+    "damping_exponent": torch.zeros((), dtype=torch.int64),
+    "damping_direction": torch.full((), -1, dtype=torch.int64),  # first try stronger whitening
+    "last_verdict": torch.full((), -1.0, dtype=torch.float64),  # no reading yet
+}
+"""A current-step layer's damping controller before its first reading (``adapt_damping``)."""
 
 
 def state_key(fqn: str) -> str:
@@ -68,6 +79,8 @@ class GiftLayerState(nn.Module):
         if self.current_step:
             self.register_buffer("basis", initial_basis(d_in, self.low_rank).to(self.device))
             self.register_buffer("sketch_scale", torch.ones((), device=self.device))  # geometry.input_sketch's s
+            for name, value in ADAPTIVE_DAMPING_START.items():  # damping = config.damping * 2^exponent
+                self.register_buffer(name, value.clone())
         elif whitened:
             self.register_buffer("moment", torch.zeros(d_in, d_in, device=self.device))
             for name, tensor in identity_whitening(config.whitening_layout, d_in, self.low_rank).tensors.items():
@@ -95,7 +108,7 @@ class GiftLayerState(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # What Module.to(device) and friends call: every buffer moves but the host bookkeeping.
-        host = {name: self._buffers[name] for name in HOST_BUFFERS}
+        host = {name: self._buffers[name] for name in HOST_BUFFERS if name in self._buffers}
         super()._apply(fn, recurse)
         self._buffers.update(host)
         moved = [b for name, b in self._buffers.items() if b is not None and name not in HOST_BUFFERS]
@@ -116,6 +129,11 @@ class GiftLayerState(nn.Module):
         if not self.whitened:
             return []
         return [self.basis] if self.current_step else self.factor_tensors()
+
+    @property
+    def damping(self) -> float:
+        """The damping this layer's current-step factors use (``adaptive_damping`` moves it)."""
+        return self.config.damping * 2.0 ** int(self.damping_exponent)
 
     def fresh_geometry(self) -> list[torch.Tensor]:
         """:meth:`geometry_tensors` of a layer that never ran a step (the same on every rank)."""
@@ -189,10 +207,15 @@ class GiftLayerState(nn.Module):
 
     # -- the live meter and the fallback -----------------------------------------------------------
     def record_reading(self, reading: Reading) -> None:
-        """Count a meter reading (the same on every rank: ``meter.py``). A layer whose delivered
-        error is above Euclidean's (one step, or accumulated with error feedback) for
-        ``fallback_patience`` readings in a row goes on its fallback."""
-        if not (self.config.fallback and self.whitening_on()):
+        """Count a meter reading (the same on every rank: ``meter.py``). With ``adaptive_damping``
+        it moves the damping (:meth:`adapt_damping`). A layer whose delivered error is above
+        Euclidean's (one step, or accumulated with error feedback) for ``fallback_patience``
+        readings in a row goes on its fallback."""
+        if not self.whitening_on():
+            return
+        if self.config.adaptive_damping:
+            self.adapt_damping(reading.verdict)
+        if not self.config.fallback:
             return
         self.meter_over.fill_(int(self.meter_over) + 1 if reading.verdict > 1.0 else 0)
         if int(self.meter_over) >= self.config.fallback_patience:
@@ -204,6 +227,20 @@ class GiftLayerState(nn.Module):
                 "-" if reading.accumulated is None else f"{reading.accumulated:.2f}x", self.config.fallback_patience,
                 int(self.fallback_until),
             )
+
+    def adapt_damping(self, verdict: float) -> None:
+        """One step of a hill climb on the meter's verdict: the damping moves by a factor of 2,
+        on in the direction of its last move if this reading (taken with the moved damping) is no
+        worse than the one before, else back the other way; at either end of its range it stays
+        and turns. Lower damping whitens more; higher moves ``T`` towards a multiple of ``I``
+        (Euclidean)."""
+        if float(self.last_verdict) >= 0 and verdict > float(self.last_verdict):
+            self.damping_direction.neg_()
+        self.last_verdict.fill_(verdict)
+        if abs(int(self.damping_exponent) + int(self.damping_direction)) > DAMPING_OCTAVES:
+            self.damping_direction.neg_()
+        else:
+            self.damping_exponent.add_(self.damping_direction)
 
     # -- periodic factors --------------------------------------------------------------------------
     @torch.no_grad()
@@ -298,8 +335,10 @@ class GiftState(nn.Module):
             gathered = state_dict.get(f"layers.{key}.gather_residual")
             if gathered is not None:
                 layer.ensure_gather_residual(*gathered.shape)
-            if layer.current_step:  # saved before the sketch had a scale: start it at 1
+            if layer.current_step:  # saved before the sketch had a scale (start it at 1) or adaptive damping
                 state_dict.setdefault(f"layers.{key}.sketch_scale", torch.ones(()))
+                for name, value in ADAPTIVE_DAMPING_START.items():
+                    state_dict.setdefault(f"layers.{key}.{name}", value.clone())
         expected = self.state_dict()
         for name, value in state_dict.items():
             if isinstance(value, torch.Tensor) and name in expected and value.shape != expected[name].shape:
@@ -342,6 +381,10 @@ class GiftState(nn.Module):
                 bad = int((~torch.isfinite(value)).sum())
                 raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} holds {bad} non-finite value(s) "
                                  "(NaN/Inf): the checkpoint is corrupt, and a step from it would send NaN gradients")
+            allowed = {"damping_exponent": range(-DAMPING_OCTAVES, DAMPING_OCTAVES + 1), "damping_direction": (-1, 1)}.get(buffer)
+            if allowed is not None and int(value) not in allowed:
+                raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} is {int(value)}, outside {list(allowed)}: "
+                                 "the checkpoint is corrupt")
         return layers
 
     def fqns(self) -> list[str]:

@@ -12,7 +12,7 @@ The MLP's backward after the pass (fc2 whitened, fc1 Euclidean FP8) starts::
     fc2       mm -> grad float32[8, 32]
     fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
     fc2       wait_tensor(all_reduce)
-    fc2       gift::whitening_from_sketch(damping=1.0)
+    fc2       gift::whitening_from_sketch()
 
 The statistics' all_reduce is issued before fc2's gradient is computed and waited on only
 after it (and after the bias's collective), which is the overlap the pass is for.

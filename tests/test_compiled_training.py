@@ -45,11 +45,13 @@ def train_side_by_side(rank, world, cache_root, steps, name, config=CONFIG):
     compiled = torch.compile(replicate(model), backend=backend, fullgraph=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     worst = {"weight": 0.0, "bias": 0.0}
+    dampings = []  # (compiled, reference) after each step: adaptive_damping's moves
     for step in range(steps):
         x = batch(step, rank)
         compiled(x).square().mean().backward()
         reference_model(x).square().mean().backward()
         reference.reduce_gradients()
+        dampings.append((backend.runtime.state.layer("fc2").damping, reference.runtime.state.layer("fc2").damping))
         for pname, param in model.named_parameters():
             want = reference_model.get_parameter(strip_parametrization(pname)).grad
             kind = "weight" if pname.endswith("weight.original") else "bias"
@@ -69,6 +71,7 @@ def train_side_by_side(rank, world, cache_root, steps, name, config=CONFIG):
         "fc1": runtime.counters["fc1"].as_dict(),
         "reference_fc2": reference.runtime.counters["fc2"].as_dict(),
         "checksum": runtime.state.checksum(),
+        "dampings": dampings,
         "final_weight": model.fc2.weight.detach().clone(),
     }
 
@@ -101,6 +104,19 @@ def test_fp4_compiled_gradients_match_the_eager_reference(tmp_path, ranks, fp4_f
         # fc1 (32 x 16) all-reduced on 2 ranks: FP8 sends 2 x (256 + 4) bytes a step; FP4 4.5 or
         # 4.25 bits a value (2 x (128 + 16 + 4) or 2 x (128 + 8)): under 0.6x of that
         assert result["fc1"]["bytes_sent"] / 8 <= 0.6 * 2 * (256 + 4)
+
+
+def test_adaptive_damping_moves_the_same_way_compiled_and_eager(cache_root, ranks):
+    # The damping is state, read by the graph at run time (gift::load_basis) and moved from the
+    # summed meter readings: compiled and eager move it identically, every rank alike, and the
+    # gradients stay bit for bit the reference's while it moves.
+    config = CONFIG.replace(adaptive_damping=True)
+    results = ranks(2).run(train_side_by_side, cache_root, STEPS, "adaptive", config)
+    for result in results:
+        assert result["worst"]["weight"] == 0.0
+        compiled, reference = zip(*result["dampings"])
+        assert compiled == reference and len(set(compiled)) >= 3  # 6 readings: it moved
+    assert results[0]["dampings"] == results[1]["dampings"]
 
 
 def test_counters_report_every_step(cold_run):

@@ -98,7 +98,7 @@ fc2       all_reduce(sum, GROUP) float32[130]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
-fc2       gift::whitening_from_sketch(damping=1.0)
+fc2       gift::whitening_from_sketch()
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -127,7 +127,7 @@ fc2       all_reduce(sum, GROUP) float32[130]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
-fc2       gift::whitening_from_sketch(damping=1.0)
+fc2       gift::whitening_from_sketch()
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -197,7 +197,7 @@ fc2       linear (forward) -> float32[4, 8]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
-fc2       gift::whitening_from_sketch(damping=1.0)
+fc2       gift::whitening_from_sketch()
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -250,7 +250,7 @@ w2                     wait_tensor(all_gather_into_tensor)
 w1                     wait_tensor(all_to_all_single)
 w1                     all_gather_into_tensor(GROUP) uint8[1, 1028]
 wo                     mm -> grad float32[32, 32]
-wo                     gift::whitening_from_sketch(damping=1.0)
+wo                     gift::whitening_from_sketch()
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
@@ -258,7 +258,7 @@ wo                     all_to_all_single(GROUP) uint8[1032]
 w3                     wait_tensor(all_gather_into_tensor)
 ffn_norm.weight        wait_tensor(all_reduce)
 wv                     mm -> grad float32[32, 32]
-*                      gift::whitening_from_sketch(damping=1.0)
+*                      gift::whitening_from_sketch()
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -337,7 +337,7 @@ w1                     all_gather_into_tensor(GROUP) uint8[1, 1028] -> wait
 w1                     gift::end_step(NS, w1, GROUP, next_basis=None, next_scale=None, bytes_sent=2056, stats_bytes=0)
 ffn_norm.weight        all_reduce(avg, GROUP) float32[32] -> wait  (original)
 wo                     mm -> grad float32[32, 32]
-wo                     gift::whitening_from_sketch(damping=1.0)
+wo                     gift::whitening_from_sketch()
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
@@ -345,7 +345,7 @@ wo                     all_to_all_single(GROUP) uint8[1032] -> wait
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wv                     mm -> grad float32[32, 32]
-*                      gift::whitening_from_sketch(damping=1.0)
+*                      gift::whitening_from_sketch()
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -399,7 +399,7 @@ ln_2.bias         all_reduce(avg, GROUP) float32[32] -> wait  (original)
 ln_2.weight       all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       mm -> grad float32[32, 32]
 attn.c_proj.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
-attn.c_proj       gift::whitening_from_sketch(damping=1.0)
+attn.c_proj       gift::whitening_from_sketch()
 attn.c_proj       gift::meter(NS, attn.c_proj, GROUP, collective=all_reduce, op=avg)
 attn.c_proj       gift::load_residual(NS, attn.c_proj, d_out=32, d_in=32)
 attn.c_proj       gift::load_gather_residual(NS, attn.c_proj, rows=16, cols=32)
@@ -408,7 +408,7 @@ attn.c_proj       all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 attn.c_proj       gift::end_step(NS, attn.c_proj, GROUP, bytes_sent=1032, stats_bytes=520)
 attn.c_attn       mm -> grad float32[96, 32]
 attn.c_attn.bias  all_reduce(avg, GROUP) float32[96] -> wait  (original)
-attn.c_attn       gift::whitening_from_sketch(damping=1.0)
+attn.c_attn       gift::whitening_from_sketch()
 attn.c_attn       gift::meter(NS, attn.c_attn, GROUP, collective=all_reduce, op=avg)
 attn.c_attn       gift::load_residual(NS, attn.c_attn, d_out=96, d_in=32)
 attn.c_attn       gift::load_gather_residual(NS, attn.c_attn, rows=48, cols=32)

@@ -241,6 +241,52 @@ def test_the_worse_reading_decides_the_fallback():
     assert other.whitening_on() and int(other.meter_over) == 1
 
 
+def test_adaptive_damping_climbs_towards_lower_readings():
+    """Each reading moves the damping by a factor of 2: on while the readings do not get worse,
+    back when one does; at an end of its range (2^-7 to 2^7 times the start) it stays and turns."""
+    config = GiftConfig(layers=("fc",), damping=0.5, adaptive_damping=True, fallback=False)
+    layer = GiftState(config).layer("fc", 4, 8, torch.device("cpu"), whitened=True)
+    assert layer.damping == 0.5
+    seen = []
+    for verdict in (0.6, 0.5, 0.4, 0.45, 0.42, 0.44):
+        layer.record_reading(Reading(verdict, None))
+        seen.append(layer.damping / 0.5)
+    # first reading: the first move (stronger whitening); better, better: on; worse: back;
+    # better than that worse one: on (the same way back); worse: turn again.
+    assert seen == [2**-1, 2**-2, 2**-3, 2**-2, 2**-1, 2**-2]
+    for i in range(6):  # better and better: down to the end of the range, where it stays and turns
+        layer.record_reading(Reading(0.3 - 0.01 * i, None))
+    assert layer.damping / 0.5 == 2**-7 and int(layer.damping_direction) == 1
+    layer.record_reading(Reading(0.2, None))
+    assert layer.damping / 0.5 == 2**-6
+    fixed = GiftState(GiftConfig(layers=("fc",))).layer("fc", 4, 8, torch.device("cpu"), whitened=True)
+    fixed.record_reading(Reading(0.3, None))
+    assert fixed.damping == 1.0  # the default keeps its damping
+
+
+@pytest.mark.parametrize("damping", [0.05, 20.0])
+def test_damping_sets_the_whitening_strength(damping):
+    """What the controller moves: low damping whitens (T's spread follows the input spectrum),
+    high damping brings T towards a multiple of I, Euclidean (independent check: T's condition
+    number against A's spectrum, from the definition (A + damping * mean_eig * I)^-1/2)."""
+    from gift_compile.geometry import initial_basis, input_sketch, whitening_from_sketch
+
+    d, r = 16, 16  # full rank: T is exactly the damped inverse square root
+    scales = torch.logspace(0, 2, d)
+    x = torch.randn(4096, d, generator=torch.Generator().manual_seed(0)) * scales
+    basis, one = initial_basis(d, r), torch.ones(())
+    for _ in range(30):  # the subspace iteration converges on the eigenvectors
+        _, basis, _ = whitening_from_sketch(input_sketch(x, basis, one), basis, one, damping)
+    t = whitening_from_sketch(input_sketch(x, basis, one), basis, one, damping)[0].matrix().double()
+    eig = torch.linalg.eigvalsh((x.T @ x).double() / x.shape[0])
+    shifted = eig + damping * eig.mean()
+    want = (shifted.max() / shifted.min()).sqrt()  # condition number of (A + shift I)^-1/2
+    got = torch.linalg.cond(t)
+    assert abs(got / want - 1) < 1e-3  # fp32 factors of a float64 derivation
+    # input variances span 1e4: T's spread is ~10x at low damping, within 20% of flat at high
+    assert got < 1.2 if damping > 1 else got > 5
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -290,7 +336,8 @@ def test_state_lives_on_the_gradients_device_and_bookkeeping_on_the_host(config)
     layer = state.layer("fc", D_OUT, D_IN)  # created before any gradient, as a checkpoint load does
     assert state.layer("fc", D_OUT, D_IN, torch.device("meta")) is layer
     devices = {name: buffer.device.type for name, buffer in layer.named_buffers()}
-    assert {name for name, device in devices.items() if device == "cpu"} == {"shape", "step", "refreshes", "fallback_until", "meter_over"}
+    controller = {"damping_exponent", "damping_direction", "last_verdict"} if layer.current_step else set()  # adaptive_damping's
+    assert {name for name, device in devices.items() if device == "cpu"} == {"shape", "step", "refreshes", "fallback_until", "meter_over"} | controller
     assert devices["residual"] == "meta" and all(d == "meta" for n, d in devices.items() if n.startswith(("basis", "factor_", "moment")))
     assert layer.whitening_on()
     moved = GiftState(config)

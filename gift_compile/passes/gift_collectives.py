@@ -305,7 +305,7 @@ def rewrite_stateful(
     plan = LayerPlan(found.fqn, d_out, d_in, rewrite.plan, found.collective_type, found.op, found.group_name, config)
     layer_input = found.mm.args[1]
     key = (*input_key(layer_input), found.group_name)
-    factors = shared.get(key) if plan.current_step else None
+    factors = shared.get(key) if plan.may_share_statistics else None
     if factors is not None:
         plan = dataclasses.replace(plan, shares_statistics=True)
     access = OpsAccess(namespace)
@@ -315,7 +315,8 @@ def rewrite_stateful(
     if statistics[0] is not None:  # this layer sketches its input: the factors, computed once, before its reduction
         statistics[0].meta[STATISTICS] = block_of(found.fqn)  # the sketch's all_reduce: batched per block below
         factors = splice_traced(graph, lambda *s: flat_factors(current_factors(plan, *s)), statistics, before=found.wait)
-        shared[key] = factors
+        if plan.may_share_statistics:
+            shared[key] = factors
 
     if factors is None:  # periodic factors, or no whitening: the token only
         def late(grad, token):

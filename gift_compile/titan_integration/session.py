@@ -196,6 +196,8 @@ class GiftSession:
             readings = [getattr(c, name) for c in self.runtime.counters.values() if getattr(c, name) is not None]
             out[f"gift/{name}"] = sum(readings) / len(readings) if readings else None
             out[f"gift/{name}_max"] = max(readings) if readings else None
+        dampings = [c.damping for c in self.runtime.counters.values() if c.damping is not None]  # adaptive_damping
+        out["gift/damping_min"], out["gift/damping_max"] = (min(dampings), max(dampings)) if dampings else (None, None)
         out["gift/fallback_layers"] = sum(c.fallback_until is not None for c in self.runtime.counters.values())
         out["gift/restarts"] = self.runtime.report_restarts()
         out["gift/collectives_per_step"] = accounting.collective_calls or None
