@@ -326,11 +326,11 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         squares = torch.zeros(len(all_codecs), len(names), 2, dtype=torch.float64)
         for i, codec in enumerate(all_codecs):
             t0 = time.perf_counter()
-            outputs = {}
+            outputs, taken = {}, []  # taken: q, k and v (w1 and w3) send one sketch, as on every route
             for fqn in names:
                 if codec.stateful:
                     outputs[fqn] = reducers[codec.name].reduce_layer(fqn, grads[fqn], inputs[fqn], collective=codec.collective,
-                                                                     whitened=codec.whitened)
+                                                                     whitened=codec.whitened, taken=taken)
                 elif codec.hadamard:
                     outputs[fqn] = quantized_reduce(grads[fqn], rotations[fqn], None, None, op="avg", group=None, wire=codec.wire,
                                                     collective=codec.collective).output
@@ -526,16 +526,17 @@ def main() -> None:
         headers, rows = summarize(results[name], first_step)
         table = tabulate(rows, headers=headers, tablefmt="github")
         fallbacks = ", ".join(f"{k}: {v}" for k, v in results[name]["fallbacks"].items() if v)
+        dampings = []
         for codec, final in results[name]["dampings"].items():  # adaptive_damping: where each layer type ended
             by_type = {t: sorted(d for fqn, d in final.items() if layer_type(fqn) == t) for t in TYPE_ORDER}
-            fallbacks += ("; " if fallbacks else "") + f"{codec} final damping (min / median / max): " + ", ".join(
-                f"{t} {v[0]:.3g} / {v[len(v) // 2]:.3g} / {v[-1]:.3g}" for t, v in by_type.items() if v)
+            dampings.append(f"{codec}, final damping (min / median / max): " + ", ".join(
+                f"{t} {v[0]:.3g} / {v[len(v) // 2]:.3g} / {v[-1]:.3g}" for t, v in by_type.items() if v) + ".")
         lines += [f"## {setup.description}", "",
                   f"{args.world} ranks x {args.tokens} tokens per step, {args.steps} steps (AdamW lr {args.lr}, exact-gradient training; "
                   f"loss {results[name]['losses'][0]:.2f} -> {results[name]['losses'][-1]:.2f}); one-step ratios averaged over steps "
                   f"{first_step}..{args.steps - 1}; {time.time() - started:.0f} s.", "", table, "",
-                  f"Fallbacks taken: {fallbacks or 'none'}.", ""]
-        print("\n" + table + f"\nfallbacks: {fallbacks or 'none'}\n", flush=True)
+                  f"Fallbacks taken: {fallbacks or 'none'}.", "", *[line + "\n" for line in dampings]]
+        print("\n" + table + f"\nfallbacks: {fallbacks or 'none'}\n" + "\n".join(dampings), flush=True)
         if results[name]["meter"]:
             headers, rows = meter_table(results[name])
             meter = tabulate(rows, headers=headers, tablefmt="github")

@@ -19,8 +19,9 @@ each selected ``nn.Linear`` calls ``gift::record_input`` (an opaque custom op: p
 ``torch.compile(fullgraph=True)`` traces the hook into the block's graph, no graph break, no
 recompilation), which starts the step: ``layer_step.begin_eagerly`` sketches the input and
 issues the all-reduce that sums the sketch over the shard group, once for the layers that read
-the same input. The reduce-scatter waits for it when the gradient arrives. Everything else (state, error feedback, meter, fallback,
-counters, checkpoints) is the same runtime the compiled-graph route uses.
+the same input. The reduce-scatter waits for it when the gradient arrives. Everything else
+(state, error feedback, meter, fallback, counters, checkpoints) is the same runtime the
+compiled-graph route uses.
 
 The codec body (whiten, FP8/FP4 encode, ``all_to_all``, decode, unwhiten, the new residual) runs
 compiled: FSDP2 calls the reduce-scatter eagerly, so :func:`compiled_quantized_reduce` is

@@ -132,7 +132,9 @@ class GiftLayerState(nn.Module):
 
     @property
     def damping(self) -> float:
-        """The damping this layer's current-step factors use (``adaptive_damping`` moves it)."""
+        """The damping this layer's factors use (``adaptive_damping`` moves a current-step layer's)."""
+        if not self.current_step:
+            return self.config.damping
         return self.config.damping * 2.0 ** int(self.damping_exponent)
 
     def fresh_geometry(self) -> list[torch.Tensor]:
