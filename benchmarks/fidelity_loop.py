@@ -127,17 +127,22 @@ def stats_codecs() -> list[Codec]:
     ]
 
 
-def meter_codecs() -> list[Codec]:
-    """GIFT's defaults with and without error feedback on both routes, beside the same route's
-    Euclidean FP8 with the same error-feedback setting: what the live meter compares them with."""
+def beside_euclidean_fp8(gift: list[Codec]) -> list[Codec]:
+    """``gift`` beside Euclidean FP8 with and without error feedback (what the live meter compares
+    with), each on the reduce-scatter and the all-reduce route."""
     fp8 = GiftConfig(layers=())
     out = [
         Codec("Euclidean FP8", fp8, whitened=False),
         Codec("Euclidean FP8 + EF", fp8.replace(euclidean_error_feedback=True), whitened=False),
-        Codec("GIFT defaults", fp8),
-        Codec("GIFT defaults, no EF", fp8.replace(error_feedback=False)),
+        *gift,
     ]
     return out + [dataclasses.replace(c, name=f"all-reduce: {c.name}", collective="all_reduce") for c in out]
+
+
+def meter_codecs() -> list[Codec]:
+    """GIFT's defaults with and without error feedback, beside the same route's Euclidean FP8."""
+    fp8 = GiftConfig(layers=())
+    return beside_euclidean_fp8([Codec("GIFT defaults", fp8), Codec("GIFT defaults, no EF", fp8.replace(error_feedback=False))])
 
 
 def meter_twin(codec: Codec) -> str:
@@ -148,15 +153,9 @@ def meter_twin(codec: Codec) -> str:
 
 def damping_codecs() -> list[Codec]:
     """GIFT with its fixed damping and with ``adaptive_damping`` (each layer's own, moved by its
-    meter readings), both routes, beside Euclidean FP8 with and without error feedback."""
+    meter readings), beside the same route's Euclidean FP8."""
     fp8 = GiftConfig(layers=())
-    out = [
-        Codec("Euclidean FP8", fp8, whitened=False),
-        Codec("Euclidean FP8 + EF", fp8.replace(euclidean_error_feedback=True), whitened=False),
-        Codec("GIFT defaults", fp8),
-        Codec("GIFT adaptive damping", fp8.replace(adaptive_damping=True)),
-    ]
-    return out + [dataclasses.replace(c, name=f"all-reduce: {c.name}", collective="all_reduce") for c in out]
+    return beside_euclidean_fp8([Codec("GIFT defaults", fp8), Codec("GIFT adaptive damping", fp8.replace(adaptive_damping=True))])
 
 
 CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs, "damping": damping_codecs}

@@ -208,7 +208,7 @@ class EagerAccess:
 
     def basis(self, plan, token):
         layer = self.runtime.layer(plan.fqn)
-        return layer.basis, layer.sketch_scale, torch.full((), layer.damping, device=layer.basis.device)
+        return layer.basis, layer.sketch_scale, layer.damping_tensor()
 
     def factors(self, plan, token):
         return self.runtime.layer(plan.fqn).factor_tensors()

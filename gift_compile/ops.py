@@ -81,7 +81,7 @@ def load_basis(namespace: str, fqn: str, d_in: int, low_rank: int, token: torch.
     layer = get_runtime(namespace).layer(fqn)
     # copies (d_in x rank and scalars: small), because end_step overwrites the state
     return [layer.basis.clone(memory_format=torch.contiguous_format), layer.sketch_scale.clone(),
-            torch.full((), layer.damping, device=layer.basis.device)]
+            layer.damping_tensor()]
 
 
 @load_basis.register_fake

@@ -137,6 +137,10 @@ class GiftLayerState(nn.Module):
             return self.config.damping
         return self.config.damping * 2.0 ** int(self.damping_exponent)
 
+    def damping_tensor(self) -> torch.Tensor:
+        """:attr:`damping` as a 0-d tensor beside the basis, for ``geometry.whitening_from_sketch``."""
+        return torch.full((), self.damping, device=self.basis.device)
+
     def fresh_geometry(self) -> list[torch.Tensor]:
         """:meth:`geometry_tensors` of a layer that never ran a step (the same on every rank)."""
         if self.current_step:
