@@ -12,7 +12,8 @@ every generated kernel's and extern call's reads and writes (``GraphLowering.cou
   message written once by its encoder and read once by its decoder (the collectives' buffers);
 * the collectives' own buffer traffic is the network's, not the codec's, and is left out.
 
-``codec / compulsory`` is how many times the codec passes over its data. A per-tensor scale
+``codec / compulsory`` is how many times the codec passes over its data. ``call ms`` is the
+compiled call's median time on this machine (collective included, one thread per rank). A per-tensor scale
 needs the whole encoded tensor before its first value is written (one more read of it), and the
 low-rank whitening ``G T = G s + ((G V) c) V^T`` reads its input once for ``G V`` and once for
 the rest: those passes are inherent to the algorithm. ``--kernels`` lists every kernel.
@@ -24,12 +25,14 @@ the rest: those passes are inherent to the algorithm. ``--kernels`` lists every 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from dataclasses import dataclass
 
 import torch
 from tabulate import tabulate
 
+from common import median_seconds
 from gift_compile.collectives import WireFormat
 from gift_compile.comm import gather_residual_shape, quantized_reduce
 from gift_compile.geometry import Whitening
@@ -90,9 +93,11 @@ def count_path(path: Path, shape: tuple[int, int], rank_: int) -> dict:
     torch._dynamo.reset()
     metrics.reset()
     fn = torch.compile(quantized_reduce, fullgraph=True, dynamic=False)
+    call = functools.partial(fn, g, factors, residual, gather_residual, op="avg", group=None, wire=WireFormat(path.wire),
+                             collective=path.collective)
     with torch._inductor.config.patch(force_disable_caches=True):
-        out = fn(g, factors, residual, gather_residual, op="avg", group=None, wire=WireFormat(path.wire),
-                 collective=path.collective)
+        out = call()
+    seconds = median_seconds(call, repeats=9)
     split = {"kernel": 0, "gemm": 0, "collective": 0, "wait": 0}
     kernels = []
     for node, quarter_bytes in metrics.nodes_num_elem:  # Inductor stores bytes // 4
@@ -102,7 +107,8 @@ def count_path(path: Path, shape: tuple[int, int], rank_: int) -> dict:
             kernels.append((kind(node), nbytes / g.numel(), node.get_name()))
     inputs = sum(t.numel() * t.element_size() for t in (g, residual, gather_residual) if t is not None)
     outputs = sum(t.numel() * t.element_size() for t in out if t is not None)
-    return {"split": split, "compulsory": inputs + outputs + split["collective"], "numel": g.numel(), "kernels": kernels}
+    return {"split": split, "compulsory": inputs + outputs + split["collective"], "numel": g.numel(), "kernels": kernels,
+            "seconds": seconds}
 
 
 def count_all(rank: int, world: int, shape, rank_: int) -> list[dict]:
@@ -132,13 +138,13 @@ def main() -> None:
         codec = per["kernel"] + per["gemm"]
         compulsory = row["compulsory"] / row["numel"]
         table.append((path.name, path.collective.replace("_", "-"), f"{per['kernel']:.2f}", f"{per['gemm']:.2f}",
-                      f"{codec:.2f}", f"{compulsory:.2f}", f"{codec / compulsory:.2f}x"))
+                      f"{codec:.2f}", f"{compulsory:.2f}", f"{codec / compulsory:.2f}x", f"{row['seconds'] * 1e3:.1f}"))
         if args.kernels:
             print(f"\n{path.name} ({path.collective}):")
             print(tabulate([(k, f"{b:.2f}", name) for k, b, name in row["kernels"]], headers=["kind", "B/element", "Inductor node"]))
     print()
     print(tabulate(table, headers=["path", "collective", "kernels B/elem", "GEMMs B/elem", "codec B/elem",
-                                   "compulsory B/elem", "codec / compulsory"]))
+                                   "compulsory B/elem", "codec / compulsory", "call ms"]))
 
 
 if __name__ == "__main__":

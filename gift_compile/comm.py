@@ -95,9 +95,17 @@ def quantized_reduce(
     payload = g.float() if residual is None else g.float() + residual
     sent_coords = whiten(payload)
     scattered = quantized_reduce_scatter(sent_coords, op, group, wire)
-    error = unwhiten(sent_coords - scattered.sent)  # this rank's round trip, in G's coordinates
-    new_residual = finite_or_zero(error) if residual is not None else None
-    stats = torch.cat([scattered.stats, torch.stack([error.square().sum(), payload.square().sum()])])
+    # This rank's round trip, in G's coordinates. Non-finite entries (whitening has already
+    # spread one over its row) are dropped before unwhitening: there the zeroing fuses with the
+    # encoder's pass; after it, it would take a pass over R' of its own.
+    wire_error = finite_or_zero(sent_coords - scattered.sent)
+    new_residual = unwhiten(wire_error) if residual is not None else None
+    if whitening is None:  # T = I: the wire's coordinates are G's, and so are its squared norms
+        squares = scattered.stats[2:]
+    else:
+        error = new_residual if new_residual is not None else unwhiten(wire_error)
+        squares = torch.stack([error.square().sum(), payload.square().sum()])
+    stats = torch.cat([scattered.stats, squares])
 
     new_gather_residual = None
     if collective == "reduce_scatter":
@@ -110,7 +118,7 @@ def quantized_reduce(
         shard = scattered.reduced if gather_residual is None else scattered.reduced + whiten(gather_residual)
         full, own = quantized_all_gather(shard, g.shape[0], group, wire)
         if gather_residual is not None:
-            new_gather_residual = finite_or_zero(unwhiten(shard - own))
+            new_gather_residual = unwhiten(finite_or_zero(shard - own))
         output = unwhiten(full)
     return Reduction(output.to(g.dtype), new_residual, new_gather_residual, stats)
 
