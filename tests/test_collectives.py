@@ -149,3 +149,40 @@ def test_byte_count_matches_the_message(name):
     messages, _, _ = _encode(_chunked(x, lay), lay, wire, None)
     assert bytes_sent(x.shape, 4, wire, "reduce_scatter") == 3 * messages[0].numel()
     assert bytes_sent(x.shape, 4, wire, "all_reduce") == 6 * messages[0].numel()
+
+
+def non_finite_residuals(rank, world, wire, collective):
+    """A whitened reduction with error feedback (both stages) where rank 0's gradient has a NaN,
+    eagerly and compiled: (output, residual, gather residual) of each."""
+    from gift_compile.comm import gather_residual_shape, quantized_reduce
+    from gift_compile.geometry import factorize
+
+    g = rank_input((12, 16), rank)
+    if rank == 0:
+        g[5, 3] = float("nan")
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 3, 16)
+    whitening = factorize(x.T @ x / 64, factorization="lowrank", rank=4, damping=0.1)
+    residual = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank)) * 0.01
+    gather_residual = torch.zeros(gather_residual_shape((12, 16), None)) if collective == "all_reduce" else None
+
+    def reduce(g, residual, gather_residual):
+        r = quantized_reduce(g, whitening, residual, gather_residual, op="avg", group=None, wire=WIRES[wire], collective=collective)
+        return r.output, r.residual, r.gather_residual
+
+    return [reduce(g, residual, gather_residual), torch.compile(reduce, fullgraph=True)(g, residual, gather_residual)]
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("wire", ["fp8", "fp4_nvfp4"])
+def test_a_non_finite_step_leaves_finite_residuals(ranks, wire, collective):
+    """The NaN reaches every rank's output, but no residual keeps it (it would poison every
+    later step): the sender's scale is NaN, so its whole round trip is dropped (zeros), while
+    the other rank's residual is its ordinary, finite error. Eager and compiled alike (the
+    compiled codec zeroes in whitened coordinates, inside the encoder's kernel)."""
+    for rank, runs in enumerate(ranks(2).run(non_finite_residuals, wire, collective)):
+        for output, residual, gather_residual in runs:
+            assert not bool(torch.isfinite(output).all())
+            assert bool(torch.isfinite(residual).all())
+            assert (not bool(residual.any())) if rank == 0 else bool(residual.any())
+            if gather_residual is not None:  # every reduced shard holds the NaN: nothing kept
+                assert torch.equal(gather_residual, torch.zeros_like(gather_residual))
