@@ -147,7 +147,9 @@ class GiftConfig:
     """Consecutive meter readings above 1 that switch a layer to its fallback."""
 
     fallback_retry: int = 200
-    """Steps a layer stays on its fallback before GIFT is tried again."""
+    """Steps a layer stays on its fallback before GIFT is tried again. A retried layer falls back
+    at its first reading above 1, and then waits twice as long as before (up to 64x), until a
+    reading at or below 1 ends the run of failed retries."""
 
     layers: tuple[str, ...] | Literal["auto"] = ("*",)
     """Linear layers sent in whitened coordinates (default ``"*"``: every Linear layer, whatever

@@ -16,9 +16,15 @@ its relative spread is ``sqrt(2 / (SKETCH_ROWS * r))`` for an error of effective
 The Euclidean shadow is run beside the real step, with no communication: this rank's
 ``G_r + R_r`` (its own shadow residual) through the route's encoding (``collectives.round_trip``)
 gives its share of the first stage exactly; on the all-reduce route the owner of each shard
-re-encodes its rows of ``D`` (the closest thing to the Euclidean route's own first-stage sum
-that exists without sending it) with its shadow gather residual. Both sides are sketched with
-the same ``S``, summed in the same all-reduce.
+re-encodes, with its shadow gather residual, what the real second stage encoded: its rows of
+the first stage's sum plus its gather residual, in G's coordinates, which is ``D``'s rows plus
+the residual the owner keeps (``R2'``). That is the closest thing to the Euclidean route's own
+first-stage sum that exists without sending it (it differs by the previous residual, a
+rounding's size, which leaves the rounding statistics alike). Re-encoding ``D`` itself would
+under-count the second stage: on the fallback (``T = I``) ``D`` already lies on the wire's grid
+and re-encodes almost exactly; the meter read ~1.4 there where the truth was 1.0
+(``tests/test_state_reference.py``). Without gather error feedback no ``R2'`` is kept and ``D``
+stands in. Both sides are sketched with the same ``S``, summed in the same all-reduce.
 
 A reading covers a *window*: ``meter_window`` steps ending at each ``meter_interval``-th step
 (with error feedback; one step without it). Its first step only starts the shadow's residuals,
@@ -137,10 +143,11 @@ class DeliveredMeter:
         window.route, window.last_step = route, step
 
     @torch.no_grad()
-    def after(self, step: int, output: torch.Tensor) -> Reading | None:
+    def after(self, step: int, output: torch.Tensor, gather_residual: torch.Tensor | None = None) -> Reading | None:
         """After the real reduction (``output``: all of ``D``, or this rank's rows of it on the
-        reduce-scatter route): complete this step's shares; on the reading's step, sum them over
-        the ranks and return the reading (the same on every rank)."""
+        reduce-scatter route; ``gather_residual``: the owner's new ``R2'``, on the all-reduce route
+        with gather error feedback): complete this step's shares; on the reading's step, sum
+        them over the ranks and return the reading (the same on every rank)."""
         window = self.window
         if window is None or window.held is None or window.last_step != step:
             return None
@@ -159,6 +166,8 @@ class DeliveredMeter:
         if route.second_stage:
             shard = torch.zeros(shard_rows, self.d_in, device=delivered.device)
             shard[:n] = delivered
+            if gather_residual is not None:  # what the second stage encoded (module docstring)
+                shard += gather_residual.float()
             payload = shard if window.gather_residual is None else shard + window.gather_residual
             sent = shard_round_trip(payload, self.d_out, route.group, route.wire)
             if route.gather_error_feedback:

@@ -132,7 +132,7 @@ class GiftRuntime:
         counter = self.counter(fqn, self.path(layer.whitened))
         before = int(layer.fallback_until)
         if layer.meter is not None:
-            reading = layer.meter.after(int(layer.step), reduction.output)
+            reading = layer.meter.after(int(layer.step), reduction.output, reduction.gather_residual)
             if reading is not None:
                 counter.error_vs_fp8, counter.accumulated_vs_fp8 = reading
                 layer.record_reading(reading)

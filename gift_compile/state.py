@@ -39,7 +39,11 @@ log = logging.getLogger(__name__)
 
 # Host-side bookkeeping: Python reads these every step (is a refresh due? is the layer on its
 # fallback? its damping?), which must never wait for a GPU. Everything else lives on the gradient's device.
-HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over", "damping_exponent", "damping_direction", "last_verdict")
+HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row", "damping_exponent",
+                "damping_direction", "last_verdict")
+
+RETRY_DOUBLINGS = 6
+"""A layer whose retry falls back again waits twice as long each time, up to ``2^6`` times ``fallback_retry``."""
 
 DAMPING_OCTAVES = 7
 """``adaptive_damping``: a layer's damping stays within ``2^-7`` to ``2^7`` times ``config.damping``."""
@@ -89,7 +93,7 @@ class GiftLayerState(nn.Module):
         self.register_buffer("residual", torch.zeros(d_out, d_in, device=self.device) if keeps_residual else None)
         self.register_buffer("gather_residual", None)  # all-reduce route: created with its shard shape
         self.register_buffer("shape", torch.tensor([d_out, d_in, int(whitened)]))  # lets a checkpoint rebuild the layer
-        for name in ("step", "refreshes", "fallback_until", "meter_over"):
+        for name in ("step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row"):
             self.register_buffer(name, torch.zeros((), dtype=torch.int64))
         self.meter = DeliveredMeter(fqn, d_out, d_in, config) if whitened else None
         self._refresh_start: tuple[int, torch.Tensor, int] | None = None  # (step, moment, refreshes) of a refresh
@@ -216,22 +220,32 @@ class GiftLayerState(nn.Module):
         """Count a meter reading (the same on every rank: ``meter.py``). With ``adaptive_damping``
         it moves the damping (:meth:`adapt_damping`). A layer whose delivered error is above
         Euclidean's (one step, or accumulated with error feedback) for ``fallback_patience``
-        readings in a row goes on its fallback."""
+        readings in a row goes on its fallback for ``fallback_retry`` steps. A retried layer is
+        on probation until a reading at or below 1: its first reading above 1 sends it back, for
+        twice the previous wait (up to ``2^RETRY_DOUBLINGS`` times), so a layer that whitening
+        keeps hurting costs one reading interval per retry, and retries grow rare."""
         if not self.whitening_on():
             return
         if self.config.adaptive_damping:
             self.adapt_damping(reading.verdict)
         if not self.config.fallback:
             return
-        self.meter_over.fill_(int(self.meter_over) + 1 if reading.verdict > 1.0 else 0)
-        if int(self.meter_over) >= self.config.fallback_patience:
-            self.fallback_until.fill_(int(self.step) + 1 + self.config.fallback_retry)
+        over = reading.verdict > 1.0
+        self.meter_over.fill_(int(self.meter_over) + 1 if over else 0)
+        if not over:
+            self.fallbacks_in_a_row.zero_()
+        retried = int(self.fallbacks_in_a_row)
+        patience = 1 if retried else self.config.fallback_patience
+        if int(self.meter_over) >= patience:
+            wait = self.config.fallback_retry * 2 ** min(retried, RETRY_DOUBLINGS)
+            self.fallback_until.fill_(int(self.step) + 1 + wait)
+            self.fallbacks_in_a_row.add_(1)
             self.meter_over.zero_()
             log.warning(
-                "GIFT layer %s: delivered error %.2fx (accumulated %s) the Euclidean route's for %d readings; sending "
+                "GIFT layer %s: delivered error %.2fx (accumulated %s) the Euclidean route's for %d reading(s)%s; sending "
                 "it as Euclidean until step %d, then retrying", self.fqn, reading.one_step,
-                "-" if reading.accumulated is None else f"{reading.accumulated:.2f}x", self.config.fallback_patience,
-                int(self.fallback_until),
+                "-" if reading.accumulated is None else f"{reading.accumulated:.2f}x", patience,
+                f" (retry {retried} failed)" if retried else "", int(self.fallback_until),
             )
 
     def adapt_damping(self, verdict: float) -> None:
@@ -338,6 +352,7 @@ class GiftState(nn.Module):
         layers = self._check_loadable(state_dict, shapes)
         for key, (d_out, d_in, whitened) in layers.items():
             layer = self.layer(key.replace("/", "."), d_out, d_in, whitened=whitened)
+            state_dict.setdefault(f"layers.{key}.fallbacks_in_a_row", torch.zeros((), dtype=torch.int64))  # saved before retries doubled
             gathered = state_dict.get(f"layers.{key}.gather_residual")
             if gathered is not None:
                 layer.ensure_gather_residual(*gathered.shape)
@@ -387,9 +402,11 @@ class GiftState(nn.Module):
                 bad = int((~torch.isfinite(value)).sum())
                 raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} holds {bad} non-finite value(s) "
                                  "(NaN/Inf): the checkpoint is corrupt, and a step from it would send NaN gradients")
-            allowed = {"damping_exponent": range(-DAMPING_OCTAVES, DAMPING_OCTAVES + 1), "damping_direction": (-1, 1)}.get(buffer)
+            allowed = {"damping_exponent": range(-DAMPING_OCTAVES, DAMPING_OCTAVES + 1), "damping_direction": (-1, 1),
+                       "fallbacks_in_a_row": range(0, 2**31)}.get(buffer)
             if allowed is not None and int(value) not in allowed:
-                raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} is {int(value)}, outside {list(allowed)}: "
+                shown = f"[{allowed.start}, {allowed.stop - 1}]" if isinstance(allowed, range) else str(list(allowed))
+                raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} is {int(value)}, outside {shown}: "
                                  "the checkpoint is corrupt")
         return layers
 
