@@ -111,16 +111,20 @@ def count_path(path: Path, shape: tuple[int, int], rank_: int) -> dict:
             "seconds": seconds}
 
 
-def count_all(rank: int, world: int, shape, rank_: int) -> list[dict]:
+def count_all(rank: int, world: int, shape, rank_: int, paths=tuple(PATHS)) -> list[dict]:
     metrics_log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")
+    level, propagate = metrics_log.level, metrics_log.propagate
     metrics_log.setLevel(logging.INFO)  # what makes Inductor count (compile_fx: isEnabledFor(INFO))
-    metrics_log.propagate = False
-    metrics_log.addHandler(logging.NullHandler())
+    metrics_log.propagate = False  # counted, not printed
     rows = []
-    for path in PATHS:
-        rows.append(count_path(path, shape, rank_))
-        if rank == 0:
-            print(f"  counted {path.name}", flush=True)
+    try:
+        for path in paths:
+            rows.append(count_path(path, shape, rank_))
+            if rank == 0:
+                print(f"  counted {path.name}", flush=True)
+    finally:
+        metrics_log.setLevel(level)
+        metrics_log.propagate = propagate
     return rows
 
 
