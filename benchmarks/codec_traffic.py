@@ -82,14 +82,14 @@ def whitening(d_in: int, rank: int) -> Whitening:
                                  "scale": torch.tensor(2.0), "scale_inv": torch.tensor(0.5)})
 
 
-def count_path(path: Path, shape: tuple[int, int], rank_: int) -> dict:
+def count_path(path: Path, shape: tuple[int, int], low_rank: int) -> dict:
     """Compile one path and return its traffic, split by kind, plus the compulsory bytes."""
     from torch._inductor import metrics
 
     g = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     residual = torch.zeros(shape) if path.error_feedback else None
     gather_residual = torch.zeros(gather_residual_shape(shape, None)) if path.error_feedback and path.collective == "all_reduce" else None
-    factors = whitening(shape[1], rank_) if path.whitened else None
+    factors = whitening(shape[1], low_rank) if path.whitened else None
     torch._dynamo.reset()
     metrics.reset()
     fn = torch.compile(quantized_reduce, fullgraph=True, dynamic=False)
@@ -111,7 +111,7 @@ def count_path(path: Path, shape: tuple[int, int], rank_: int) -> dict:
             "seconds": seconds}
 
 
-def count_all(rank: int, world: int, shape, rank_: int, paths=tuple(PATHS)) -> list[dict]:
+def count_all(rank: int, world: int, shape, low_rank: int, paths=tuple(PATHS)) -> list[dict]:
     metrics_log = logging.getLogger("torch._inductor.compile_fx.__inductor_metrics")
     level, propagate = metrics_log.level, metrics_log.propagate
     metrics_log.setLevel(logging.INFO)  # what makes Inductor count (compile_fx: isEnabledFor(INFO))
@@ -119,7 +119,7 @@ def count_all(rank: int, world: int, shape, rank_: int, paths=tuple(PATHS)) -> l
     rows = []
     try:
         for path in paths:
-            rows.append(count_path(path, shape, rank_))
+            rows.append(count_path(path, shape, low_rank))
             if rank == 0:
                 print(f"  counted {path.name}", flush=True)
     finally:

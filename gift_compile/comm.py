@@ -98,13 +98,10 @@ def quantized_reduce(
     # This rank's round trip, in G's coordinates. Non-finite entries (whitening has already
     # spread one over its row) are dropped before unwhitening: there the zeroing fuses with the
     # encoder's pass; after it, it would take a pass over R' of its own.
-    wire_error = finite_or_zero(sent_coords - scattered.sent)
-    new_residual = unwhiten(wire_error) if residual is not None else None
-    if whitening is None:  # T = I: the wire's coordinates are G's, and so are its squared norms
-        squares = scattered.stats[2:]
-    else:
-        error = new_residual if new_residual is not None else unwhiten(wire_error)
-        squares = torch.stack([error.square().sum(), payload.square().sum()])
+    error = unwhiten(finite_or_zero(sent_coords - scattered.sent))
+    new_residual = error if residual is not None else None
+    # T = I: the wire's coordinates are G's, and the encoder has the squared norms already.
+    squares = scattered.stats[2:] if whitening is None else torch.stack([error.square().sum(), payload.square().sum()])
     stats = torch.cat([scattered.stats, squares])
 
     new_gather_residual = None

@@ -148,8 +148,8 @@ class GiftConfig:
 
     fallback_retry: int = 200
     """Steps a layer stays on its fallback before GIFT is tried again. A retried layer falls back
-    at its first reading above 1, and then waits twice as long as before (up to 64x), until a
-    reading at or below 1 ends the run of failed retries."""
+    at its first reading above 1, and then waits twice as long as before (up to 64x,
+    ``state.RETRY_DOUBLINGS``), until a reading at or below 1 ends the run of failed retries."""
 
     layers: tuple[str, ...] | Literal["auto"] = ("*",)
     """Linear layers sent in whitened coordinates (default ``"*"``: every Linear layer, whatever

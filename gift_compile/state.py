@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gift_compile.collectives import resolve_group
-from gift_compile.config import GiftConfig
+from gift_compile.config import MAX_INT, GiftConfig
 from gift_compile.geometry import FACTOR_NAMES, Whitening, factorize, identity_whitening, initial_basis, second_moment
 from gift_compile.meter import DeliveredMeter, Reading
 
@@ -403,7 +403,7 @@ class GiftState(nn.Module):
                 raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} holds {bad} non-finite value(s) "
                                  "(NaN/Inf): the checkpoint is corrupt, and a step from it would send NaN gradients")
             allowed = {"damping_exponent": range(-DAMPING_OCTAVES, DAMPING_OCTAVES + 1), "damping_direction": (-1, 1),
-                       "fallbacks_in_a_row": range(0, 2**31)}.get(buffer)
+                       "fallbacks_in_a_row": range(0, MAX_INT + 1)}.get(buffer)
             if allowed is not None and int(value) not in allowed:
                 shown = f"[{allowed.start}, {allowed.stop - 1}]" if isinstance(allowed, range) else str(list(allowed))
                 raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} is {int(value)}, outside {shown}: "

@@ -157,9 +157,9 @@ def euclidean_truth(world, config, collective, steps, inputs=meter_inputs):
                                    error_feedback=config.error_feedback, collective=collective, whiten=False)
     exact, delivered = [], []
     for step in range(steps):
-        grads, layer_inputs_ = zip(*(inputs(r, step) for r in range(world)))
+        grads, xs = zip(*(inputs(r, step) for r in range(world)))
         exact.append(sum(g.double() for g in grads) / world)
-        delivered.append(euclidean.reduce(list(grads), list(layer_inputs_)))
+        delivered.append(euclidean.reduce(list(grads), list(xs)))
     return exact, delivered
 
 
