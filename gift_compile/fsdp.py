@@ -60,19 +60,12 @@ from gift_compile.comm import Reduction, euclidean_reduce, quantized_reduce
 from gift_compile.layer_step import EagerAccess, InputStatistics, LayerPlan, begin_eagerly, reduce_layer
 from gift_compile.policy import Plan
 from gift_compile.runtime import GiftRuntime, get_runtime
+from gift_compile.static_compile import static_compile
 
 log = logging.getLogger(__name__)
 
-# One compiled graph per distinct (shape, path) of a model's 2-D parameters: a Llama has about
-# ten; Dynamo's default limit of 8 graphs per function would fall back to eager beyond that.
-COMPILED_GRAPHS_LIMIT = 64
-_quantized_reduce = torch.compile(quantized_reduce, fullgraph=True, dynamic=False)
-
-
-def compiled_quantized_reduce(*args, **kwargs):
-    """:func:`comm.quantized_reduce`, compiled (module docstring); same arguments, same result."""
-    with torch._dynamo.config.patch(recompile_limit=COMPILED_GRAPHS_LIMIT):
-        return _quantized_reduce(*args, **kwargs)
+compiled_quantized_reduce = static_compile(quantized_reduce)
+""":func:`comm.quantized_reduce`, compiled (module docstring); same arguments, same result."""
 
 
 @dataclass(frozen=True)

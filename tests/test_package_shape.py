@@ -6,7 +6,7 @@ from gift_compile.package_graph import import_graph as graph
 
 # Lower layers first; a module may import only from its own layer or lower ones.
 LAYERS = [
-    {"config", "package_graph"},
+    {"config", "package_graph", "static_compile"},
     {"numerics", "geometry", "selection"},
     {"fp4"},
     {"collectives", "agreement"},

@@ -10,7 +10,7 @@ from torch import nn
 from gift_compile.config import GiftConfig
 from gift_compile.numerics import fp8_round_trip
 from gift_compile.agreement import GiftConfigMismatch
-from gift_compile.meter import Reading
+from gift_compile.meter import COMPILE_MIN_NUMEL, DeliveredMeter, Reading, Route
 from gift_compile.reference import GiftReducer, GiftReference
 from gift_compile.state import GiftState
 
@@ -208,6 +208,50 @@ def test_meter_reads_the_delivered_error_over_the_euclidean_routes(ranks, collec
         assert readings[step + 1] == reading  # held until the next reading
     assert abs(sum(gaps) / len(gaps)) < 0.05
     assert sum(r[0] for r in readings[interval:]) / (steps - interval) < 0.95  # correlated inputs: whitening helps
+
+
+def shadow_compiled_and_eager(rank, world, gift_dtype, collective):
+    """The meter of a layer large enough that its shadow runs compiled, and the same meter forced
+    eager, on the same steps: every share, residual and reading, and whether the first compiled."""
+    d = 256  # 256 x 256: at least COMPILE_MIN_NUMEL
+    assert d * d >= COMPILE_MIN_NUMEL
+    config = GiftConfig(gift_dtype=gift_dtype, meter_interval=3, meter_window=2)
+    route = Route.of(config, collective, "avg", None)
+    compiled, eager = DeliveredMeter("fc", d, d, config), DeliveredMeter("fc", d, d, config)
+    eager.compiled = False
+    shard_rows = d // world
+    seen = []
+    for step in range(1, 8):
+        g = torch.Generator().manual_seed(31 * step + rank)
+        grad = torch.randn(d, d, generator=g) * torch.logspace(0, -3, d)  # columns of every size: saturation to flushing
+        output = torch.randn(d if collective == "all_reduce" else shard_rows, d, generator=g)
+        kept = torch.randn(shard_rows, d, generator=g) * 1e-3 if route.gather_error_feedback else None
+        for meter in (compiled, eager):
+            meter.before(step, grad, route)
+        held = [m.window.held if m.window is not None else None for m in (compiled, eager)]
+        readings = [m.after(step, output, kept) for m in (compiled, eager)]
+        state = [[m.window.residual, m.window.gather_residual] if m.window is not None else [] for m in (compiled, eager)]
+        seen.append((held, readings, state))
+    return compiled.compiled, seen
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("gift_dtype", ["fp8", "fp4"])
+def test_the_compiled_shadow_is_the_eager_shadow_bit_for_bit(ranks, gift_dtype, collective):
+    """The meter's shadow runs compiled for large layers (it is 3-4x cheaper per metered step);
+    the eager shadow is the one the tests above check against the oracle, so the compiled one
+    must give the same bits: the same round trips (Inductor keeps the divisions and casts), the
+    same GEMMs (extern), the same residuals and readings, on both routes and both wires."""
+    for was_compiled, seen in ranks(2).run(shadow_compiled_and_eager, gift_dtype, collective):
+        assert was_compiled
+        readings = [r for _, pair, _ in seen for r in pair if r is not None]
+        assert readings, "no reading was taken"
+        for held, pair, state in seen:
+            assert pair[0] == pair[1]
+            for a, b in zip(*held) if held[0] is not None else ():
+                assert torch.equal(a, b)
+            for a, b in zip(*state):
+                assert torch.equal(a, b)
 
 
 def classifier_inputs(rank, step):
