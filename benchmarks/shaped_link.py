@@ -10,8 +10,8 @@ per "node", gloo over the veth). The Llama-3 debug job (6.2M parameters, graph_t
 * in FSDP mode (the parameter all-gathers travel too, so only part of the traffic shrinks),
 
 under fp32, bf16, Euclidean FP8 and GIFT gradients, at several link rates, with the same seed
-and data, all in one invocation. For every run it reports the per-step time (median and
-spread), tokens/s, the bytes the veth carried per step (kernel counters), the share of the
+and data, all in one invocation. For every run it reports the per-step time (mean over the
+timed steps, which include the live meter's steps, and spread), tokens/s, the bytes the veth carried per step (kernel counters), the share of the
 step spent beyond the compute (a 1-rank run of the same per-rank batch is the compute time)
 and the loss after a fixed wall-clock budget; then the link rate below which FP8 and GIFT
 beat fp32 and GIFT's cost over FP8 at each rate. A table goes to stdout and
@@ -24,6 +24,7 @@ is missing. The namespaces it creates are always removed, also on Ctrl-C or a cr
     sudo python benchmarks/shaped_link.py --rates 100 --modes replicate --steps 8
     sudo python benchmarks/shaped_link.py --variants fp8 gift fp4 gift_fp4 --rates 50 200
     sudo python benchmarks/shaped_link.py --variants fp4 gift_fp4 --rates 50 --merge   # add cells to the saved table
+    sudo python benchmarks/shaped_link.py --rates 200 --results shaped_link_200          # a table of its own
     python benchmarks/shaped_link.py --render benchmarks/results/shaped_link.json    # the table again
 """
 
@@ -190,21 +191,24 @@ def records(dump: Path) -> list[dict]:
 
 
 def meter(recs: list[dict], warmup: int) -> tuple[float, float, int | None]:
-    """Median codec and wait seconds per step from GIFT's time meter, and the collective calls."""
+    """Mean codec and wait seconds per step from GIFT's time meter, and the collective calls."""
     steps = [r for r in recs if "loss" in r][warmup:]
     codec = [r["gift/codec_s"] for r in steps if r.get("gift/codec_s") is not None]
     wait = [r["gift/comm_wait_s"] for r in steps if r.get("gift/comm_wait_s") is not None]
     calls = steps[-1].get("gift/collectives_per_step") if steps else None
-    return (statistics.median(codec) if codec else 0.0), (statistics.median(wait) if wait else 0.0), calls
+    return (statistics.fmean(codec) if codec else 0.0), (statistics.fmean(wait) if wait else 0.0), calls
 
 
 def timing(recs: list[dict], warmup: int) -> tuple[float, float, list[tuple[float, float]]]:
+    """Mean step time after ``warmup`` steps (a mean, not a median: one step in ten is a meter
+    reading with its shadow steps before it, and a median would leave that cost out), the half
+    range of the step times, and the loss curve against the time since the first timed step."""
     steps = [r for r in recs if "loss" in r]
     times = [r["time"] for r in steps]
     durations = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
     spread = (max(durations) - min(durations)) / 2 if durations else float("nan")
     curve = [[r["time"] - times[warmup], r["loss"]] for r in steps[warmup:]]
-    return statistics.median(durations), spread, curve
+    return (statistics.fmean(durations) if durations else float("nan")), spread, curve
 
 
 def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Path, port: int) -> tuple[float, float, list, float, tuple]:
@@ -287,7 +291,7 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
                      f"{r.step_s / limit:.2f}x", f"{r.tokens_s:.0f}", vs_fp32, predicted,
                      f"{max(0.0, 1 - compute_s / r.step_s):.0%}", f"{r.codec_s:.3f}", f"{r.wait_s:.3f}",
                      "-" if r.collectives is None else r.collectives, f"{r.bytes_per_step / 2**20:.1f}", bytes_vs_fp32])
-    headers = ["mode", "link", "gradients", "step s (median ± half range)", "limit s", "step / limit", "tokens/s", "vs fp32",
+    headers = ["mode", "link", "gradients", "step s (mean ± half range)", "limit s", "step / limit", "tokens/s", "vs fp32",
                "vs fp32 predicted by bytes", "beyond compute", "codec s", "wait s", "collectives/step", "MiB/step/direction",
                "bytes vs fp32"]
     lines = [tabulate(rows, headers=headers, tablefmt="github"), "",
@@ -295,7 +299,7 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
              "'Beyond compute' is the share of the step not explained by that compute (communication, codec, waiting). "
              "'Limit' is what the link and the CPU allow: max(compute alone + the codec's seconds from GIFT's time meter, "
              "the bytes the veth carried per step and direction / the link rate); 'codec s' and 'wait s' are GIFT's time "
-             "meter (gift/codec_s, gift/comm_wait_s: medians over the timed steps; fp32 runs no codec); 'collectives/step' "
+             "meter (gift/codec_s, gift/comm_wait_s: means over the timed steps; fp32 runs no codec); 'collectives/step' "
              "counts the collectives of the final graph (fp32: the stock graph, not counted).", ""]
     for mode in sorted({r.mode for r in results}):
         if any(r.mode == mode and r.variant == "fp32" for r in results):
@@ -368,12 +372,14 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
     parser.add_argument("--render", type=Path, help="re-render the table and plots from a saved shaped_link.json")
+    parser.add_argument("--results", default="shaped_link",
+                        help="stem of the result files in benchmarks/results (default: shaped_link; --merge adds to it)")
     parser.add_argument("--merge", action="store_true",
                         help="add this run's cells to benchmarks/results/shaped_link.json (replacing cells measured again) "
                              "instead of starting a new table")
     args = parser.parse_args()
     if args.render:
-        render(json.loads(args.render.read_text()))
+        render(json.loads(args.render.read_text()), args.render.stem)
         return 0
     missing = missing_requirements()
     if missing:
@@ -382,7 +388,8 @@ def main() -> int:
     results: list[Result] = []
     raw: dict = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    previous = json.loads((RESULTS / "shaped_link.json").read_text()) if args.merge and (RESULTS / "shaped_link.json").exists() else None
+    saved = RESULTS / f"{args.results}.json"
+    previous = json.loads(saved.read_text()) if args.merge and saved.exists() else None
     with tempfile.TemporaryDirectory() as tmp, ShapedLink() as link:
         rates = args.rates
         if any(link_settings(rate)[1] for rate in rates) and not link.can_delay():
@@ -407,9 +414,9 @@ def main() -> int:
                     # saved after every run: a crash or Ctrl-C keeps what was measured
                     raw = {"compute_s": compute_s, "results": [dataclasses.asdict(r) for r in results]}
                     raw = merged(previous, raw) if previous else raw
-                    (RESULTS / "shaped_link.json").write_text(json.dumps(raw))
+                    saved.write_text(json.dumps(raw))
     if raw:
-        render(raw)
+        render(raw, args.results)
     return 0
 
 
@@ -421,12 +428,12 @@ def merged(old: dict, new: dict) -> dict:
     return {"compute_s": old["compute_s"], "results": [r for r in old["results"] if key(r) not in fresh] + new["results"]}
 
 
-def render(raw: dict) -> None:
+def render(raw: dict, stem: str = "shaped_link") -> None:
     results = [Result(**r) for r in raw["results"]]
     text = report(results, raw["compute_s"], 2 * 2 * 256)
     print("\n" + text)
-    (RESULTS / "shaped_link.md").write_text("# Training over a shaped link (`sudo python benchmarks/shaped_link.py`)\n\n" + text + "\n")
-    plot(results, RESULTS / "shaped_link.png")
+    (RESULTS / f"{stem}.md").write_text("# Training over a shaped link (`sudo python benchmarks/shaped_link.py`)\n\n" + text + "\n")
+    plot(results, RESULTS / f"{stem}.png")
 
 
 if __name__ == "__main__":
