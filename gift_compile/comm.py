@@ -60,7 +60,9 @@ class Reduction(NamedTuple):
     residual: torch.Tensor | None
     """This rank's new error-feedback residual (``R'``, G's shape and coordinates), if it keeps one."""
     gather_residual: torch.Tensor | None
-    """The owner's new residual of the all-gather re-quantization (its shard's rows), if it keeps one."""
+    """The owner's rounding error of the all-gather re-quantization (its shard's rows, G's
+    coordinates): its new gather residual if it keeps one. Whitened layers report it without
+    error feedback too: the live meter reads what the second stage encoded from it (meter.py)."""
     stats: torch.Tensor
     """fp32, laid out as :data:`STATS`."""
 
@@ -114,7 +116,7 @@ def quantized_reduce(
     else:
         shard = scattered.reduced if gather_residual is None else scattered.reduced + whiten(gather_residual)
         full, own = quantized_all_gather(shard, g.shape[0], group, wire)
-        if gather_residual is not None:
+        if gather_residual is not None or whitening is not None:
             new_gather_residual = unwhiten(finite_or_zero(shard - own))
         output = unwhiten(full)
     return Reduction(output.to(g.dtype), new_residual, new_gather_residual, stats)

@@ -18,13 +18,15 @@ The Euclidean shadow is run beside the real step, with no communication: this ra
 gives its share of the first stage exactly; on the all-reduce route the owner of each shard
 re-encodes, with its shadow gather residual, what the real second stage encoded: its rows of
 the first stage's sum plus its gather residual, in G's coordinates, which is ``D``'s rows plus
-the residual the owner keeps (``R2'``). That is the closest thing to the Euclidean route's own
-first-stage sum that exists without sending it (it differs by the previous residual, a
-rounding's size, which leaves the rounding statistics alike). Re-encoding ``D`` itself would
-under-count the second stage: on the fallback (``T = I``) ``D`` already lies on the wire's grid
-and re-encodes almost exactly; the meter read ~1.4 there where the truth was 1.0
-(``tests/test_state_reference.py``). Without gather error feedback no ``R2'`` is kept and ``D``
-stands in. Both sides are sketched with the same ``S``, summed in the same all-reduce.
+the second stage's rounding error (``comm.Reduction.gather_residual``: the residual ``R2'`` the
+owner keeps with error feedback; reported without it too). That is the closest thing to the
+Euclidean route's own first-stage sum that exists without sending it (it differs by the
+previous residual, a rounding's size, which leaves the rounding statistics alike).
+Re-encoding ``D`` itself would under-count the second stage: ``D`` already lies on the wire's
+grid and re-encodes almost exactly. On the fallback (``T = I``) the meter read ~1.4 where the
+truth was 1.0 (``tests/test_state_reference.py``), and without error feedback, where ``D`` once
+stood in, it over-read by about ``sqrt(1 + 1/world)`` throughout. Both sides are sketched with
+the same ``S``, summed in the same all-reduce.
 
 A reading covers a *window*: ``meter_window`` steps ending at each ``meter_interval``-th step
 (with error feedback; one step without it). Its first step only starts the shadow's residuals,
@@ -156,16 +158,16 @@ class DeliveredMeter:
         _compiled_first_stage(torch.zeros_like(window.residual), window.residual, window.sketch, _scale(route, world), route, world)
         if route.second_stage:
             own = _own_rows(self.d_out, world, dist.get_rank(route.group))
-            kept = torch.zeros_like(window.gather_residual) if route.gather_error_feedback else None
-            _compiled_second_stage(window.residual[own], kept, window.gather_residual, route, self.d_out)
+            _compiled_second_stage(window.residual[own], window.gather_residual, window.gather_residual, route, self.d_out)
         return True
 
     @torch.no_grad()
-    def after(self, step: int, output: torch.Tensor, gather_residual: torch.Tensor | None = None) -> Reading | None:
+    def after(self, step: int, output: torch.Tensor, gather_error: torch.Tensor | None = None) -> Reading | None:
         """After the real reduction (``output``: all of ``D``, or this rank's rows of it on the
-        reduce-scatter route; ``gather_residual``: the owner's new ``R2'``, on the all-reduce route
-        with gather error feedback): complete this step's shares; on the reading's step, sum
-        them over the ranks and return the reading (the same on every rank)."""
+        reduce-scatter route; ``gather_error``: on the all-reduce route, the owner's rounding
+        error of the second stage, ``comm.Reduction.gather_residual``): complete this step's
+        shares; on the reading's step, sum them over the ranks and return the reading (the same
+        on every rank)."""
         window = self.window
         if window is None or window.held is None or window.last_step != step:
             return None
@@ -182,7 +184,7 @@ class DeliveredMeter:
         euclidean = euclidean_share
         if route.second_stage:
             second = _compiled_second_stage if self.compiled else _second_stage
-            window.gather_residual, error = second(delivered, gather_residual, window.gather_residual, route, self.d_out)
+            window.gather_residual, error = second(delivered, gather_error, window.gather_residual, route, self.d_out)
             euclidean = euclidean + s_own @ error
         if window.counting:
             window.sums += torch.stack([gift, euclidean])
@@ -216,13 +218,11 @@ def _first_stage(g: torch.Tensor, residual: torch.Tensor, sketch: torch.Tensor, 
     return next_residual, c * (sketch @ g), c * (sketch @ (sent - g))
 
 
-def _second_stage(delivered: torch.Tensor, kept: torch.Tensor | None, residual: torch.Tensor, route: Route, rows: int):
-    """The owner's shadow of the all-reduce's second stage, from its rows of ``D`` and ``kept``
-    (its gather residual ``R2'``; None without gather error feedback): ``(its next shadow gather
-    residual, the error of its rows)``. ``rows``: the gradient's."""
-    shard = F.pad(delivered, (0, 0, 0, residual.shape[0] - delivered.shape[0]))
-    if kept is not None:  # what the second stage encoded (module docstring)
-        shard = shard + kept.float()
+def _second_stage(delivered: torch.Tensor, gather_error: torch.Tensor, residual: torch.Tensor, route: Route, rows: int):
+    """The owner's shadow of the all-reduce's second stage, from its rows of ``D`` and its
+    rounding error there (together: what the second stage encoded, module docstring):
+    ``(its next shadow gather residual, the error of its rows)``. ``rows``: the gradient's."""
+    shard = F.pad(delivered, (0, 0, 0, residual.shape[0] - delivered.shape[0])) + gather_error.float()
     payload = shard + residual
     sent = shard_round_trip(payload, rows, route.group, route.wire)
     next_residual = finite_or_zero(payload - sent) if route.gather_error_feedback else residual

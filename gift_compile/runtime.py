@@ -140,6 +140,8 @@ class GiftRuntime:
                     counter.damping = layer.damping
         if int(layer.fallback_until) != before:
             counter.fallbacks += 1
+        # The gather error is reported without error feedback too (for the meter); the state
+        # keeps it only where the layer keeps a gather residual.
         layer.end_step(reduction.residual, reduction.gather_residual, next_basis, next_scale)
         counter.fallback_until = None if layer.whitening_on() or not layer.whitened else int(layer.fallback_until)
         counter.add_step(reduction.stats, bytes_sent, stats_bytes)
