@@ -141,15 +141,17 @@ class GiftConfig:
 
     fallback: bool = True
     """A whitened layer whose ``error_vs_fp8`` stays above 1 for ``fallback_patience``
-    measurements in a row is sent as Euclidean FP8 for ``fallback_retry`` steps, then retried."""
+    measurements in a row is sent as Euclidean FP8 for ``fallback_retry`` steps, then retried if
+    the meter's GIFT shadow (run on the fallback) reads at or below 1."""
 
     fallback_patience: int = 3
     """Consecutive meter readings above 1 that switch a layer to its fallback."""
 
     fallback_retry: int = 200
-    """Steps a layer stays on its fallback before GIFT is tried again. A retried layer falls back
-    at its first reading above 1, and then waits twice as long as before (up to 64x,
-    ``state.RETRY_DOUBLINGS``), until a reading at or below 1 ends the run of failed retries."""
+    """Steps a layer stays on its fallback before GIFT is tried again. A retry whose GIFT shadow
+    read above 1, or a retried layer's first reading above 1, fails: the layer then waits twice as
+    long as before (up to 64x, ``state.RETRY_DOUBLINGS``), until a reading at or below 1 ends the
+    run of failed retries."""
 
     layers: tuple[str, ...] | Literal["auto"] = ("*",)
     """Linear layers sent in whitened coordinates (default ``"*"``: every Linear layer, whatever

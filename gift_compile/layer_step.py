@@ -130,8 +130,9 @@ class StateAccess(Protocol):
 
     def gather_residual(self, plan: LayerPlan, token: torch.Tensor) -> torch.Tensor: ...
 
-    def meter(self, plan: LayerPlan, grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        """The live meter's part ahead of the reduction (``meter.py``); returns the token the rest of the step takes."""
+    def meter(self, plan: LayerPlan, grad: torch.Tensor, whitening: Whitening, token: torch.Tensor) -> torch.Tensor:
+        """The live meter's part ahead of the reduction (``meter.py``; ``whitening``: the layer's
+        ``T`` before the fallback's ``T = I``); returns the token the rest of the step takes."""
 
     def end(
         self, plan: LayerPlan, token: torch.Tensor, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None
@@ -184,8 +185,8 @@ def reduce_layer(
     if plan.whitened:
         if whitening is None:
             whitening = Whitening.from_list(plan.config.whitening_layout, access.factors(plan, token))
+        token = access.meter(plan, grad, whitening, token)  # on the fallback, its GIFT shadow whitens with T
         whitening = whitening.or_identity(token)
-        token = access.meter(plan, grad, token)
     residual = access.residual(plan, token) if plan.plan.error_feedback else None
     gather_residual = access.gather_residual(plan, token) if plan.plan.gather_error_feedback else None
     reduction = reduce(
@@ -219,8 +220,8 @@ class EagerAccess:
     def gather_residual(self, plan, token):
         return self.runtime.layer(plan.fqn).ensure_gather_residual(*gather_residual_shape((plan.d_out, plan.d_in), plan.group))
 
-    def meter(self, plan, grad, token):
-        self.runtime.meter(plan.fqn, grad, plan.collective, plan.op, plan.group)
+    def meter(self, plan, grad, whitening, token):
+        self.runtime.meter(plan.fqn, grad, whitening, plan.collective, plan.op, plan.group)
         return token
 
     def end(self, plan, token, reduction, next_basis, next_scale):

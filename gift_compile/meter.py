@@ -28,6 +28,11 @@ truth was 1.0 (``tests/test_state_reference.py``), and without error feedback, w
 stood in, it over-read by about ``sqrt(1 + 1/world)`` throughout. Both sides are sketched with
 the same ``S``, summed in the same all-reduce.
 
+On the layer's fallback (``T = I``: what it delivers is the Euclidean route's) the roles swap:
+the shadow is GIFT's route, the same round trips in whitened coordinates with the ``T`` the
+layer would use (``fallback_of``), so a reading still says how GIFT compares with Euclidean,
+and a retry can be skipped while GIFT would still lose (``state.py``). That shadow runs eagerly.
+
 A reading covers a *window*: ``meter_window`` steps ending at each ``meter_interval``-th step
 (with error feedback; one step without it). Its first step only starts the shadow's residuals,
 so the shadow's error feedback has history when counting starts, as GIFT's has. The window
@@ -52,6 +57,7 @@ from gift_compile import policy
 from gift_compile.collectives import WireFormat, resolve_group, round_trip, shard_round_trip
 from gift_compile.comm import finite_or_zero
 from gift_compile.config import GiftConfig
+from gift_compile.geometry import Whitening
 from gift_compile.static_compile import static_compile
 
 SKETCH_ROWS = 32
@@ -113,6 +119,10 @@ class Window:
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
         """This step's shares from :meth:`DeliveredMeter.before`: ``c S G_r`` and the shadow's first stage."""
         self.route: Route | None = None
+        self.gift_shadow = False
+        """Whether the shadow is GIFT's route (the layer on its fallback) rather than Euclidean."""
+        self.whitening: Whitening | None = None
+        """The shadow's ``T`` this step (GIFT's shadow only)."""
 
 
 class DeliveredMeter:
@@ -131,8 +141,10 @@ class DeliveredMeter:
         return "read" if before == 0 else "shadow" if before <= span else None
 
     @torch.no_grad()
-    def before(self, step: int, grad: torch.Tensor, route: Route) -> None:
-        """Ahead of the real reduction: this rank's share of the shadow's first stage."""
+    def before(self, step: int, grad: torch.Tensor, route: Route, fallback_of: Whitening | None = None) -> None:
+        """Ahead of the real reduction: this rank's share of the shadow's first stage.
+        ``fallback_of``: on the layer's fallback, the ``T`` it would whiten with; the shadow is
+        then GIFT's route with it, and the delivered gradient the Euclidean one."""
         world = dist.get_world_size(route.group)
         if self.compiled is None:
             self.compiled = self._compile_stages(route, world, grad.device)
@@ -141,12 +153,18 @@ class DeliveredMeter:
             return
         g = grad.detach().float()
         window = self.window
-        if window is None or window.last_step != step - 1:  # a new window (or a gap: start over)
+        gift_shadow = fallback_of is not None
+        if window is None or window.last_step != step - 1 or window.gift_shadow != gift_shadow:  # a new window (a gap, a switch: start over)
             window = self.window = Window(self.fqn, self.d_out, self.d_in, _shard_rows(self.d_out, world), step, g.device)
             window.counting = where == "read"  # a window joined late counts from its next step
-        first = _compiled_first_stage if self.compiled else _first_stage
-        window.residual, grad_share, euclidean_share = first(g, window.residual, window.sketch, _scale(route, world), route, world)
-        window.held = (grad_share, euclidean_share)
+            window.gift_shadow = gift_shadow
+        args = (g, window.residual, window.sketch, _scale(route, world), route, world)
+        if gift_shadow:  # eagerly: a layer is rarely on its fallback, and a compile then would stall the run
+            window.residual, *held = _first_stage(*args, fallback_of)
+        else:
+            window.residual, *held = (_compiled_first_stage if self.compiled else _first_stage)(*args)
+        window.held = tuple(held)
+        window.whitening = fallback_of
         window.route, window.last_step = route, step
 
     def _compile_stages(self, route: Route, world: int, device: torch.device) -> bool:
@@ -173,19 +191,22 @@ class DeliveredMeter:
             return None
         route = window.route
         where = self.position(step, route)
-        grad_share, euclidean_share = window.held
+        grad_share, shadow = window.held
         window.held = None
         world = dist.get_world_size(route.group)
         rows = _own_rows(self.d_out, world, dist.get_rank(route.group))
         n = rows.stop - rows.start
         delivered = (output[rows] if route.collective == "all_reduce" else output[:n]).float()
         s_own = window.sketch[:, rows]
-        gift = s_own @ delivered - grad_share
-        euclidean = euclidean_share
+        real = s_own @ delivered - grad_share
         if route.second_stage:
-            second = _compiled_second_stage if self.compiled else _second_stage
-            window.gather_residual, error = second(delivered, gather_error, window.gather_residual, route, self.d_out)
-            euclidean = euclidean + s_own @ error
+            args = (delivered, gather_error, window.gather_residual, route, self.d_out)
+            if window.gift_shadow:
+                window.gather_residual, error = _second_stage(*args, window.whitening)
+            else:
+                window.gather_residual, error = (_compiled_second_stage if self.compiled else _second_stage)(*args)
+            shadow = shadow + s_own @ error
+        gift, euclidean = (shadow, real) if window.gift_shadow else (real, shadow)
         if window.counting:
             window.sums += torch.stack([gift, euclidean])
         window.counting = True
@@ -210,23 +231,34 @@ layer's first step so that no window stalls. Smaller ones stay eager: there a co
 second per shape) costs more than it saves in a run."""
 
 
-def _first_stage(g: torch.Tensor, residual: torch.Tensor, sketch: torch.Tensor, c: float, route: Route, world: int):
-    """This rank's shadow of the route's first stage: ``(its next shadow residual, c S G_r, c S (sent - G_r))``."""
+def _first_stage(g: torch.Tensor, residual: torch.Tensor, sketch: torch.Tensor, c: float, route: Route, world: int,
+                 whitening: Whitening | None = None):
+    """This rank's shadow of the route's first stage, Euclidean or (``whitening``) GIFT's:
+    ``(its next shadow residual, c S G_r, c S (sent - G_r))``."""
     payload = g + residual
-    sent = round_trip(payload, route.wire, world, route.group)
+    sent = _in_coordinates(whitening, lambda u: round_trip(u, route.wire, world, route.group), payload)
     next_residual = finite_or_zero(payload - sent) if route.error_feedback else residual
     return next_residual, c * (sketch @ g), c * (sketch @ (sent - g))
 
 
-def _second_stage(delivered: torch.Tensor, gather_error: torch.Tensor, residual: torch.Tensor, route: Route, rows: int):
-    """The owner's shadow of the all-reduce's second stage, from its rows of ``D`` and its
-    rounding error there (together: what the second stage encoded, module docstring):
-    ``(its next shadow gather residual, the error of its rows)``. ``rows``: the gradient's."""
+def _second_stage(delivered: torch.Tensor, gather_error: torch.Tensor, residual: torch.Tensor, route: Route, rows: int,
+                  whitening: Whitening | None = None):
+    """The owner's shadow of the all-reduce's second stage (Euclidean or, ``whitening``, GIFT's),
+    from its rows of ``D`` and its rounding error there (together: what the second stage
+    encoded, module docstring): ``(its next shadow gather residual, the error of its rows)``.
+    ``rows``: the gradient's."""
     shard = F.pad(delivered, (0, 0, 0, residual.shape[0] - delivered.shape[0])) + gather_error.float()
     payload = shard + residual
-    sent = shard_round_trip(payload, rows, route.group, route.wire)
+    sent = _in_coordinates(whitening, lambda u: shard_round_trip(u, rows, route.group, route.wire), payload)
     next_residual = finite_or_zero(payload - sent) if route.gather_error_feedback else residual
     return next_residual, (sent - shard)[: delivered.shape[0]]
+
+
+def _in_coordinates(whitening: Whitening | None, round_trip_fn, x: torch.Tensor) -> torch.Tensor:
+    """``round_trip_fn(x)``, or GIFT's: in whitened coordinates, mapped back (as ``comm.py``)."""
+    if whitening is None:
+        return round_trip_fn(x)
+    return whitening.unwhiten(round_trip_fn(whitening.whiten(x)))
 
 
 _compiled_first_stage = static_compile(_first_stage)

@@ -14,7 +14,8 @@ call. :class:`OpsAccess` is the ``layer_step.StateAccess`` that emits them::
     T...  = gift::load_factors(ns, fqn, d_in, low_rank, token)    copies of the periodic factors
     R     = gift::load_residual(ns, fqn, d_out, d_in, token)      the residual itself
     R2    = gift::load_gather_residual(ns, fqn, rows, cols, token)
-    token = gift::meter(ns, fqn, group, collective, op, grad, token)  the meter's shadow on its window's steps
+    token = gift::meter(ns, fqn, group, collective, op, grad, T..., token)  the meter's shadow on its window's steps
+            (T: the layer's factors before the fallback's T = I, for the GIFT shadow on the fallback)
     ... whiten, quantize, FP8 collectives, unwhiten (plain aten ops, fused by Inductor) ...
     gift::end_step(ns, fqn, group, token, G_hat, R', R2', Q', s', stats, bytes, stats_bytes)
             keep the new state, count the step, complete the meter's reading from G_hat (meter.py)
@@ -41,7 +42,7 @@ from torch._inductor.virtualized import V
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from gift_compile.comm import Reduction, gather_residual_shape
-from gift_compile.geometry import factor_shapes
+from gift_compile.geometry import Whitening, factor_shapes
 from gift_compile.layer_step import LayerPlan
 from gift_compile.runtime import get_runtime
 
@@ -121,13 +122,17 @@ def _(namespace, fqn, rows, cols, token):
 
 
 @torch.library.custom_op("gift::meter", mutates_args=(), tags=_RUNS_PYTHON)
-def meter(namespace: str, fqn: str, group_name: str, collective: str, op: str, grad: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    get_runtime(namespace).meter(fqn, grad, collective, op, _resolve_process_group(group_name))
+def meter(
+    namespace: str, fqn: str, group_name: str, collective: str, op: str, grad: torch.Tensor, factors: list[torch.Tensor], token: torch.Tensor
+) -> torch.Tensor:
+    runtime = get_runtime(namespace)
+    whitening = Whitening.from_list(runtime.config.whitening_layout, factors)
+    runtime.meter(fqn, grad, whitening, collective, op, _resolve_process_group(group_name))
     return token.clone()  # the token end_step takes: the meter's shares are held before end_step reads them
 
 
 @meter.register_fake
-def _(namespace, fqn, group_name, collective, op, grad, token):
+def _(namespace, fqn, group_name, collective, op, grad, factors, token):
     return torch.empty_like(token)
 
 
@@ -196,8 +201,9 @@ class OpsAccess:
         rows, cols = gather_residual_shape((plan.d_out, plan.d_in), plan.group)
         return torch.ops.gift.load_gather_residual(self.namespace, plan.fqn, rows, cols, token)
 
-    def meter(self, plan, grad, token):
-        return torch.ops.gift.meter(self.namespace, plan.fqn, plan.group_name, plan.collective, plan.op, grad, token)
+    def meter(self, plan, grad, whitening, token):
+        return torch.ops.gift.meter(self.namespace, plan.fqn, plan.group_name, plan.collective, plan.op, grad,
+                                    list(whitening.tensors.values()), token)
 
     def end(self, plan, token, reduction, next_basis, next_scale):
         torch.ops.gift.end_step(

@@ -22,6 +22,7 @@ from gift_compile.agreement import agree
 from gift_compile.comm import Reduction
 from gift_compile.config import GiftConfig
 from gift_compile.counters import LayerCounters, counters_table
+from gift_compile.geometry import Whitening
 from gift_compile.meter import Route
 from gift_compile.state import GiftLayerState, GiftState
 
@@ -118,11 +119,13 @@ class GiftRuntime:
     def layer(self, fqn: str) -> GiftLayerState:
         return self.state.layer(fqn)
 
-    def meter(self, fqn: str, grad: torch.Tensor, collective: str, op: str, group) -> None:
+    def meter(self, fqn: str, grad: torch.Tensor, whitening: Whitening, collective: str, op: str, group) -> None:
         """The live meter's part ahead of the reduction (``meter.py``): on a window's steps,
-        this rank's share of the Euclidean shadow."""
+        this rank's share of the shadow: Euclidean, or on the fallback GIFT's with ``whitening``
+        (the layer's ``T`` before the fallback's ``T = I``)."""
         layer = self.state.layer(fqn)
-        layer.meter.before(int(layer.step), grad, Route.of(self.config, collective, op, group))
+        fallback_of = None if layer.whitening_on() else whitening
+        layer.meter.before(int(layer.step), grad, Route.of(self.config, collective, op, group), fallback_of)
 
     def end_step(
         self, fqn: str, group, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None,

@@ -96,6 +96,9 @@ class GiftLayerState(nn.Module):
         for name in ("step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row"):
             self.register_buffer(name, torch.zeros((), dtype=torch.int64))
         self.meter = DeliveredMeter(fqn, d_out, d_in, config) if whitened else None
+        self.shadow_verdict: float | None = None
+        """On the fallback: the GIFT shadow's latest verdict (``meter.py``); None before its first
+        reading (host-side, not checkpointed: a restored run's first retry is not gated)."""
         self._refresh_start: tuple[int, torch.Tensor, int] | None = None  # (step, moment, refreshes) of a refresh
 
     # -- placement -----------------------------------------------------------------------------
@@ -188,6 +191,19 @@ class GiftLayerState(nn.Module):
             self.refresh(layer_input, group)
         return self.whitening_on()
 
+    def _retry_or_wait(self) -> None:
+        """Before a retry's step: when GIFT's shadow read above 1 at its last reading on the
+        fallback, the retry fails without a whitened step (the wait doubles, as after a retry that
+        fell back)."""
+        verdict, self.shadow_verdict = self.shadow_verdict, None
+        if verdict is None or verdict <= 1.0:
+            return
+        retried = int(self.fallbacks_in_a_row)
+        self.fallback_until.fill_(int(self.step) + self.config.fallback_retry * 2 ** min(retried, RETRY_DOUBLINGS))
+        self.fallbacks_in_a_row.add_(1)
+        log.warning("GIFT layer %s: its GIFT shadow read %.2fx the Euclidean route's on the fallback; retry skipped, "
+                    "Euclidean until step %d", self.fqn, verdict, int(self.fallback_until))
+
     @torch.no_grad()
     def end_step(
         self, residual: torch.Tensor | None, gather_residual: torch.Tensor | None, next_basis: torch.Tensor | None,
@@ -202,6 +218,8 @@ class GiftLayerState(nn.Module):
             self.sketch_scale.copy_(next_scale)
         self._refresh_start = None
         self.step += 1
+        if self.whitened and int(self.step) == int(self.fallback_until):
+            self._retry_or_wait()
 
     def _keep(self, name: str, new: torch.Tensor | None) -> None:
         current = getattr(self, name)
@@ -223,8 +241,10 @@ class GiftLayerState(nn.Module):
         readings in a row goes on its fallback for ``fallback_retry`` steps. A retried layer is
         on probation until a reading at or below 1: its first reading above 1 sends it back, for
         twice the previous wait (up to ``2^RETRY_DOUBLINGS`` times), so a layer that whitening
-        keeps hurting costs one reading interval per retry, and retries grow rare."""
+        keeps hurting costs one reading interval per retry, and retries grow rare. On the fallback
+        the reading is GIFT's shadow's (``meter.py``): a retry is skipped while it reads above 1."""
         if not self.whitening_on():
+            self.shadow_verdict = reading.verdict
             return
         if self.config.adaptive_damping:
             self.adapt_damping(reading.verdict)

@@ -304,7 +304,9 @@ def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collecti
     less, while error feedback has little history). The meter is within 0.15 of the truth (as
     in the test above) and on its side of 1. After the third reading the layer is Euclidean FP8
     with error feedback, the same route as the oracle's with a different residual history: per
-    step within 15% of it, within 5% on average. On the all-reduce route this needs the
+    step within 15% of it, within 5% on average, and the meter's shadow is GIFT's route: its
+    readings stay above 1, within 0.15 of GIFT's ratio measured while whitened (the same layer,
+    the same statistics), so no retry would be taken. On the all-reduce route this needs the
     meter's shadow to re-encode the second stage's input, not ``D`` (on ``T = I`` ``D`` re-encodes
     almost exactly: the meter read 1.4 there before), also without error feedback, where no
     gather residual is kept and the second stage's rounding error is reported for the meter."""
@@ -319,47 +321,73 @@ def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collecti
     assert fallback.index(True) == 20 and all(fallback[20:])  # readings at 0, 10, 20 above 1
     after = ratios[22:]  # step 21 still delivers GIFT's last residual
     assert max(abs(r - 1) for r in after) < 0.15 and abs(sum(after) / len(after) - 1) < 0.05
+    whitened_truth = sum(ratios[10:21]) / 11  # GIFT's error over FP8's per step, while it was whitened
     for step in range(10, steps, 10):
-        truth = true_reading(delivered, exact, euclidean, step, min(config.meter_window, config.meter_interval))
         assert (readings[step][1] is None) == (not error_feedback)  # accumulated: with error feedback only
-        for got, want in zip(readings[step][: 1 + error_feedback], truth):
-            assert got == pytest.approx(want, abs=0.15), (step, readings[step], truth)
-        if step <= 20:
-            assert min(r for r in readings[step] if r is not None) > 1, step
+        if step <= 20:  # whitened: the reading against the truth
+            truth = true_reading(delivered, exact, euclidean, step, min(config.meter_window, config.meter_interval))
+            for got, want in zip(readings[step][: 1 + error_feedback], truth):
+                assert got == pytest.approx(want, abs=0.15), (step, readings[step], truth)
+        else:  # the fallback's shadow is GIFT's route: it reads what GIFT delivered while whitened
+            assert readings[step][0] == pytest.approx(whitened_truth, abs=0.15), (step, readings[step], whitened_truth)
+        assert min(r for r in readings[step] if r is not None) > 1, step  # GIFT loses: no retry would be taken
 
 
 def falling_back(rank, world):
     # Periodic factors from the first step's inputs, then inputs from another distribution:
-    # stale factors amplify what had little variance, and the meter sees GIFT lose to FP8.
+    # stale factors amplify what had little variance, and GIFT loses to FP8.
     config = GiftConfig(layers=("fc",), low_rank=8, factor_source="periodic", refresh_interval=1000, damping=1e-3,
                         meter_interval=1, fallback_patience=2, fallback_retry=3)
     reducer = GiftReducer(config)
     paths = []
-    for step in range(9):
+    for step in range(14):
         grad, x = layer_inputs(rank, step)
         if step:
             x = x.flip(1)  # the energy moves to the inputs that had none
             grad = torch.randn(D_OUT, TOKENS, generator=torch.Generator().manual_seed(step)) @ x
         reducer.reduce_layer("fc", grad, x, collective="reduce_scatter")
         counters = reducer.runtime.counters["fc"].as_dict()
-        paths.append((counters["error_vs_fp8"], counters["fallback_until"], counters["fallbacks"]))
+        paths.append((counters["error_vs_fp8"], counters["fallback_until"]))
     return paths
 
 
-def test_a_layer_that_whitening_hurts_falls_back_and_is_retried(ranks):
+def test_a_layer_that_whitening_hurts_is_retried_only_when_its_gift_shadow_wins(ranks):
+    """Patience 2, retry after 3 steps, a reading every step. On the fallback the meter's shadow
+    is GIFT's route (the layer's own stale ``T``), so the readings still compare GIFT with FP8;
+    a retry is taken only if the last one is at or below 1, else it fails unseen: the wait
+    doubles and not one step is sent whitened."""
     paths = ranks(2).run(falling_back)[0]
-    ratios = [p[0] for p in paths]
+    ratios, until = [p[0] for p in paths], [p[1] for p in paths]
     assert ratios[1] > 1 and ratios[2] > 1  # stale factors: worse than FP8
-    # Two readings above 1 (steps 1 and 2) -> Euclidean FP8 for steps 3..5, GIFT again at 6.
-    assert [p[1] for p in paths[:2]] == [None, None]
-    assert [p[1] for p in paths[2:5]] == [6, 6, 6] and paths[5][1] is None
-    # On the fallback both sides are Euclidean FP8 with error feedback: the first step still
-    # delivers the residual GIFT kept from its whitened steps, the next ones differ only by
-    # their residuals' histories.
-    assert all(abs(r - 1.0) < 0.15 for r in ratios[4:6])
-    # The retry (step 6) is on probation: its first reading above 1 sends it back at once, for
-    # twice the wait (6 steps: Euclidean until step 6 + 1 + 6).
-    assert ratios[6] > 1 and paths[6][1] == 13 and paths[-1][2] == 2
+    assert until[:2] == [None, None] and until[2:5] == [6] * 3  # Euclidean from step 3
+    # GIFT's shadow: still worse, so no retry (step 3, the fallback's first, still delivers the
+    # residual GIFT kept while whitened, and its shadow has no history yet: not a comparison)...
+    assert all(r > 1 for r in ratios[4:]), paths
+    assert until[5:11] == [12] * 6 and until[11:] == [24] * 3  # ...at 6 (wait 3 -> 6) nor at 12 (-> 12)
+
+
+def recovering_inputs(rank, step):
+    """The [CLS]-like layer (whitening hurts) until step 12, then correlated inputs (it helps)."""
+    return classifier_inputs(rank, step) if step < 12 else meter_inputs(rank, step)
+
+
+def test_a_layer_is_retried_once_its_gift_shadow_wins(ranks):
+    """Current-step factors, a reading every 2 steps, patience 2, retry after 6. The layer falls
+    back after the readings at steps 0 and 2; its GIFT shadow reads above 1 until the inputs
+    change at step 12, so the retry due at step 9 is skipped (Euclidean until 9 + 12 = 21); by
+    step 20 the shadow reads below 1, the retry at 21 is taken, and GIFT then delivers less error
+    than FP8 (the readings, and the truth from the oracle's Euclidean route)."""
+    config = GiftConfig(layers=("fc",), meter_interval=2, meter_window=1, fallback_patience=2, fallback_retry=6)
+    steps = 34
+    (delivered0, readings, fallback), (delivered1, _, _) = ranks(2).run(metered_steps, config, "reduce_scatter", steps, recovering_inputs)
+    shown = [(round(r[0], 2), f) for r, f in zip(readings, fallback)]
+    assert not any(fallback[:2]) and all(fallback[2:20]) and not any(fallback[20:]), shown
+    assert all(readings[t][0] > 1 for t in range(4, 11, 2)), shown  # the shadow: GIFT would lose
+    assert readings[20][0] < 1 and all(readings[t][0] < 1 for t in range(22, steps)), shown
+    exact, euclidean = euclidean_truth(2, config, "reduce_scatter", steps, recovering_inputs)
+    delivered = gathered([delivered0, delivered1], "reduce_scatter")
+    ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
+    assert max(ratios[23:]) < 1, [round(r, 2) for r in ratios]
 
 
 def test_failed_retries_fall_back_at_once_for_ever_longer():

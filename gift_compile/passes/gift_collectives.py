@@ -28,7 +28,7 @@ After (selected layer; the two halves are ``layer_step.issue_statistics`` and
     sk    = wait_tensor(sk) -> Rayleigh-Ritz (eigh r x r), qr -> T, T^-1 (low rank), Q'
             (a layer that reads the same X as an earlier one, such as k and v after q, has no sk
             of its own: it takes that layer's T, T^-1, Q'; ``layer_step`` says why that is exact)
-    gift.meter(ns, fqn, mm, tok)
+    gift.meter(ns, fqn, mm, T, tok)      # T: for the GIFT shadow on the fallback (meter.py)
     R     = gift.load_residual(ns, fqn, d_out, d_in, tok)
     V     = (mm + R) @ T          -> amax, scale, clamp, cast to fp8, view uint8
     msg   = all_to_all_single(payload | scales) ; wait_tensor
