@@ -25,7 +25,8 @@ previous residual, a rounding's size, which leaves the rounding statistics alike
 Re-encoding ``D`` itself would under-count the second stage: ``D`` already lies on the wire's
 grid and re-encodes almost exactly. On the fallback (``T = I``) the meter read ~1.4 where the
 truth was 1.0 (``tests/test_state_reference.py``), and without error feedback, where ``D`` once
-stood in, it over-read by about ``sqrt(1 + 1/world)`` throughout. Both sides are sketched with
+stood in, it over-read by up to ``sqrt(1 + 1/world)`` wherever ``D`` lies near the grid (there,
+or where ``T`` only rescales the gradient). Both sides are sketched with
 the same ``S``, summed in the same all-reduce.
 
 On the layer's fallback (``T = I``: what it delivers is the Euclidean route's) the roles swap:

@@ -197,10 +197,9 @@ def test_meter_reads_the_delivered_error_over_the_euclidean_routes(ranks, collec
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
 def test_meter_without_error_feedback_reads_the_delivered_error(ranks, collective):
-    """The same without error feedback, one step per reading. On the all-reduce route the
-    shadow's second stage must re-encode what GIFT's second stage encoded, not ``D`` (already on
-    the wire's grid): re-encoding ``D`` left the second stage's rounding out of the Euclidean
-    error and over-read by about sqrt(1 + 1/world) = 1.22 at 2 ranks. Same bounds as above."""
+    """The same without error feedback, one step per reading (the layer whose ``D`` lies near the
+    wire's grid, where the shadow once over-read without error feedback, is the [CLS] test's
+    below). Same bounds as above."""
     config = GiftConfig(layers=("fc",), low_rank=8, fallback=False, meter_interval=4, error_feedback=False)
     check_meter_against_truth(ranks, config, collective, counted=1)
 
