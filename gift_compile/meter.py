@@ -120,10 +120,13 @@ class Window:
         self.held: tuple[torch.Tensor, torch.Tensor] | None = None
         """This step's shares from :meth:`DeliveredMeter.before`: ``c S G_r`` and the shadow's first stage."""
         self.route: Route | None = None
-        self.gift_shadow = False
-        """Whether the shadow is GIFT's route (the layer on its fallback) rather than Euclidean."""
         self.whitening: Whitening | None = None
         """The shadow's ``T`` this step (GIFT's shadow only)."""
+
+    @property
+    def gift_shadow(self) -> bool:
+        """Whether the shadow is GIFT's route (the layer on its fallback) rather than Euclidean."""
+        return self.whitening is not None
 
 
 class DeliveredMeter:
@@ -158,7 +161,6 @@ class DeliveredMeter:
         if window is None or window.last_step != step - 1 or window.gift_shadow != gift_shadow:  # a new window (a gap, a switch: start over)
             window = self.window = Window(self.fqn, self.d_out, self.d_in, _shard_rows(self.d_out, world), step, g.device)
             window.counting = where == "read"  # a window joined late counts from its next step
-            window.gift_shadow = gift_shadow
         args = (g, window.residual, window.sketch, _scale(route, world), route, world)
         if gift_shadow:  # eagerly: a layer is rarely on its fallback, and a compile then would stall the run
             window.residual, *held = _first_stage(*args, fallback_of)

@@ -191,6 +191,13 @@ class GiftLayerState(nn.Module):
             self.refresh(layer_input, group)
         return self.whitening_on()
 
+    def _fall_back(self, from_step: int) -> None:
+        """Euclidean from ``from_step`` for ``fallback_retry`` steps, times 2 per failed retry
+        before this one (up to ``2^RETRY_DOUBLINGS``); this fallback counts as one more."""
+        wait = self.config.fallback_retry * 2 ** min(int(self.fallbacks_in_a_row), RETRY_DOUBLINGS)
+        self.fallback_until.fill_(from_step + wait)
+        self.fallbacks_in_a_row.add_(1)
+
     def _retry_or_wait(self) -> None:
         """Before a retry's step: when GIFT's shadow read above 1 at its last reading on the
         fallback, the retry fails without a whitened step (the wait doubles, as after a retry that
@@ -198,9 +205,7 @@ class GiftLayerState(nn.Module):
         verdict, self.shadow_verdict = self.shadow_verdict, None
         if verdict is None or verdict <= 1.0:
             return
-        retried = int(self.fallbacks_in_a_row)
-        self.fallback_until.fill_(int(self.step) + self.config.fallback_retry * 2 ** min(retried, RETRY_DOUBLINGS))
-        self.fallbacks_in_a_row.add_(1)
+        self._fall_back(from_step=int(self.step))
         log.warning("GIFT layer %s: its GIFT shadow read %.2fx the Euclidean route's on the fallback; retry skipped, "
                     "Euclidean until step %d", self.fqn, verdict, int(self.fallback_until))
 
@@ -257,9 +262,7 @@ class GiftLayerState(nn.Module):
         retried = int(self.fallbacks_in_a_row)
         patience = 1 if retried else self.config.fallback_patience
         if int(self.meter_over) >= patience:
-            wait = self.config.fallback_retry * 2 ** min(retried, RETRY_DOUBLINGS)
-            self.fallback_until.fill_(int(self.step) + 1 + wait)
-            self.fallbacks_in_a_row.add_(1)
+            self._fall_back(from_step=int(self.step) + 1)
             self.meter_over.zero_()
             log.warning(
                 "GIFT layer %s: delivered error %.2fx (accumulated %s) the Euclidean route's for %d reading(s)%s; sending "
