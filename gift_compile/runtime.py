@@ -124,8 +124,8 @@ class GiftRuntime:
         this rank's share of the shadow: Euclidean, or on the fallback GIFT's with ``whitening``
         (the layer's ``T`` before the fallback's ``T = I``)."""
         layer = self.state.layer(fqn)
-        fallback_of = None if layer.whitening_on() else whitening
-        layer.meter.before(int(layer.step), grad, Route.of(self.config, collective, op, group), fallback_of)
+        layer.meter.before(int(layer.step), grad, Route.of(self.config, collective, op, group), whitening,
+                           on_fallback=not layer.whitening_on())
 
     def end_step(
         self, fqn: str, group, reduction: Reduction, next_basis: torch.Tensor | None, next_scale: torch.Tensor | None,

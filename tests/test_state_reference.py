@@ -1,5 +1,6 @@
 """Per-layer state, the live meter and the eager reference, on real gloo ranks."""
 
+import functools
 import math
 
 import oracle
@@ -10,7 +11,8 @@ from torch import nn
 from gift_compile.config import GiftConfig
 from gift_compile.numerics import fp8_round_trip
 from gift_compile.agreement import GiftConfigMismatch
-from gift_compile.meter import COMPILE_MIN_NUMEL, DeliveredMeter, Reading, Route
+from gift_compile.meter import COMPILE_MIN_NUMEL, SKETCH_COLUMNS, DeliveredMeter, Reading, Route
+from gift_compile.geometry import identity_whitening
 from gift_compile.reference import GiftReducer, GiftReference
 from gift_compile.state import GiftState
 
@@ -124,14 +126,17 @@ def test_mismatched_shapes_across_ranks_raise(factor_source, ranks):
 
 
 METER_D_OUT, METER_D_IN = 64, 48
+WIDE_D_IN = 192
+"""A layer wide enough that the meter compresses its reading's ``d_in`` side (``meter._compress``:
+``2 (r + SKETCH_COLUMNS) <= d_in`` at the default ``r = 32``)."""
 
 
-def meter_inputs(rank, step):
+def meter_inputs(rank, step, d_in=METER_D_IN):
     """Inputs with a decaying spectrum and gradients with a persistent per-rank part, at a size
     where the meter's 32-row sketch is a sketch (64 output rows), for the delivered-error tests."""
     g = torch.Generator().manual_seed(7919 * step + rank)
-    mixing = torch.linspace(3, 0.05, METER_D_IN)[:, None] * torch.randn(METER_D_IN, METER_D_IN, generator=torch.Generator().manual_seed(99))
-    x = torch.randn(TOKENS, METER_D_IN, generator=g) @ mixing
+    mixing = torch.linspace(3, 0.05, d_in)[:, None] * torch.randn(d_in, d_in, generator=torch.Generator().manual_seed(99))
+    x = torch.randn(TOKENS, d_in, generator=g) @ mixing
     grad_out = torch.randn(METER_D_OUT, TOKENS, generator=torch.Generator().manual_seed(rank)) + 0.3 * torch.randn(METER_D_OUT, TOKENS, generator=g)
     return grad_out @ x, x
 
@@ -153,7 +158,8 @@ def metered_steps(rank, world, config, collective, steps, inputs=meter_inputs):
 def euclidean_truth(world, config, collective, steps, inputs=meter_inputs):
     """Per step: the exact average, and what the Euclidean FP8 route with the same error
     feedback delivers, from the float64 oracle (T = I): not from the library's shadow."""
-    euclidean = oracle.OracleLayer(METER_D_OUT, METER_D_IN, world, rank=8, damping=config.damping,
+    d_out, d_in = inputs(0, 0)[0].shape
+    euclidean = oracle.OracleLayer(d_out, d_in, world, rank=8, damping=config.damping,
                                    error_feedback=config.error_feedback, collective=collective, whiten=False)
     exact, delivered = [], []
     for step in range(steps):
@@ -196,6 +202,17 @@ def test_meter_reads_the_delivered_error_over_the_euclidean_routes(ranks, collec
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
+def test_a_wide_layers_compressed_reading_reads_the_delivered_error(ranks, collective):
+    """The same on a layer wide enough that each reading's ``d_in`` side is sent as
+    ``[M Q, M P Omega]`` (``meter._compress``), with the same bounds: the exact ``Q`` part holds
+    GIFT's concentrated error, and ``Omega``'s spread on the near-isotropic rest (``d_in - r``
+    = 160 directions, 32 columns) is a few percent, like the rows' sketch."""
+    assert 2 * (32 + SKETCH_COLUMNS) <= WIDE_D_IN
+    config = GiftConfig(layers=("fc",), low_rank=32, fallback=False, meter_interval=4, meter_window=4)
+    check_meter_against_truth(ranks, config, collective, counted=4, inputs=functools.partial(meter_inputs, d_in=WIDE_D_IN))
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
 def test_meter_without_error_feedback_reads_the_delivered_error(ranks, collective):
     """The same without error feedback, one step per reading (the layer whose ``D`` lies near the
     wire's grid, where the shadow once over-read without error feedback, is the [CLS] test's
@@ -204,13 +221,13 @@ def test_meter_without_error_feedback_reads_the_delivered_error(ranks, collectiv
     check_meter_against_truth(ranks, config, collective, counted=1)
 
 
-def check_meter_against_truth(ranks, config, collective, counted, steps=40):
+def check_meter_against_truth(ranks, config, collective, counted, steps=40, inputs=meter_inputs):
     """Every reading after the first within 0.15 of the truth, the mean signed gap within 0.05
     (bounds: the test above), one verdict on every rank."""
     interval = config.meter_interval
-    (delivered0, readings, _), (delivered1, readings1, _) = ranks(2).run(metered_steps, config, collective, steps)
+    (delivered0, readings, _), (delivered1, readings1, _) = ranks(2).run(metered_steps, config, collective, steps, inputs)
     assert readings == readings1  # one verdict on every rank
-    exact, euclidean = euclidean_truth(2, config, collective, steps)
+    exact, euclidean = euclidean_truth(2, config, collective, steps, inputs)
     delivered = gathered([delivered0, delivered1], collective)
     gaps = []
     for step in range(interval, steps, interval):  # readings after the first
@@ -245,7 +262,7 @@ def shadow_compiled_and_eager(rank, world, gift_dtype, collective):
         output = torch.randn(d if collective == "all_reduce" else shard_rows, d, generator=g)
         kept = torch.randn(shard_rows, d, generator=g) * 1e-3 if route.gather_error_feedback else None
         for meter in (compiled, eager):
-            meter.before(step, grad, route)
+            meter.before(step, grad, route, identity_whitening("lowrank", d, 32))
         held = [m.window.held if m.window is not None else None for m in (compiled, eager)]
         readings = [m.after(step, output, kept) for m in (compiled, eager)]
         state = [[m.window.residual, m.window.gather_residual] if m.window is not None else [] for m in (compiled, eager)]
@@ -272,7 +289,7 @@ def test_the_compiled_shadow_is_the_eager_shadow_bit_for_bit(ranks, gift_dtype, 
                 assert torch.equal(a, b)
 
 
-def classifier_inputs(rank, step):
+def classifier_inputs(rank, step, d_in=METER_D_IN):
     """A layer that whitening hurts, with the default factors (this step's): like a classifier
     head fed by one [CLS] token per sequence. The inputs' variance lies in 8 of the 48 directions
     (a random rotation of the features, so not along the axes); the [CLS] token's own input lies
@@ -282,9 +299,9 @@ def classifier_inputs(rank, step):
     ``sqrt(lambda + m)`` on the way back: ``||E T^-1||^2 ~ sum_j (A + m I)_jj / m ~ 2 d`` against
     ``d`` for FP8 of ``G`` itself, i.e. about sqrt(2) times FP8's error (damping 1)."""
     g = torch.Generator().manual_seed(7919 * step + rank)
-    rotation = torch.linalg.qr(torch.randn(METER_D_IN, METER_D_IN, generator=torch.Generator().manual_seed(5)))[0]
+    rotation = torch.linalg.qr(torch.randn(d_in, d_in, generator=torch.Generator().manual_seed(5)))[0]
     loud = 8
-    z = torch.randn(TOKENS, METER_D_IN, generator=g) * torch.cat([torch.full((loud,), 10.0), torch.full((METER_D_IN - loud,), 0.1)])
+    z = torch.randn(TOKENS, d_in, generator=g) * torch.cat([torch.full((loud,), 10.0), torch.full((d_in - loud,), 0.1)])
     z[0, :loud] = 0  # the [CLS] token
     x = z @ rotation.T
     grad_out = torch.zeros(METER_D_OUT, TOKENS)
@@ -292,8 +309,9 @@ def classifier_inputs(rank, step):
     return grad_out @ x, x
 
 
-@pytest.mark.parametrize("collective,error_feedback", [("reduce_scatter", True), ("all_reduce", True), ("all_reduce", False)])
-def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collective, error_feedback):
+@pytest.mark.parametrize("collective,error_feedback,d_in", [("reduce_scatter", True, METER_D_IN), ("all_reduce", True, METER_D_IN),
+                                                           ("all_reduce", False, METER_D_IN), ("all_reduce", True, WIDE_D_IN)])
+def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collective, error_feedback, d_in):
     """The defaults (factors from this step, error feedback, a reading every 10 steps, fallback
     after 3 readings above 1) on a layer where GIFT is worse than FP8 (``classifier_inputs``),
     against the truth (the library's delivered gradients and the oracle's Euclidean FP8 route,
@@ -308,12 +326,15 @@ def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collecti
     the same statistics), so no retry would be taken. On the all-reduce route this needs the
     meter's shadow to re-encode the second stage's input, not ``D`` (on ``T = I`` ``D`` re-encodes
     almost exactly: the meter read 1.4 there before), also without error feedback, where no
-    gather residual is kept and the second stage's rounding error is reported for the meter."""
+    gather residual is kept and the second stage's rounding error is reported for the meter. At
+    ``WIDE_D_IN`` the readings are compressed (``meter._compress``): the error GIFT adds lies in
+    the 8 loud directions, inside ``T``'s basis, which is sent exactly."""
     steps, config = 60, GiftConfig(layers=("fc",), error_feedback=error_feedback)
+    inputs = functools.partial(classifier_inputs, d_in=d_in)
     (delivered0, readings, fallback), (delivered1, readings1, _) = ranks(2).run(
-        metered_steps, config, collective, steps, classifier_inputs)
+        metered_steps, config, collective, steps, inputs)
     assert readings == readings1
-    exact, euclidean = euclidean_truth(2, config, collective, steps, classifier_inputs)
+    exact, euclidean = euclidean_truth(2, config, collective, steps, inputs)
     delivered = gathered([delivered0, delivered1], collective)
     ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
     assert min(ratios[1:21]) > 1.15  # the case is real: whitening hurts this layer
