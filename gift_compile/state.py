@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 
 # Host-side bookkeeping: Python reads these every step (is a refresh due? is the layer on its
 # fallback? its damping?), which must never wait for a GPU. Everything else lives on the gradient's device.
-HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row", "damping_exponent",
-                "damping_direction", "last_verdict")
+HOST_BUFFERS = ("shape", "step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row", "shadow_verdict",
+                "damping_exponent", "damping_direction", "last_verdict")
 
 RETRY_DOUBLINGS = 6
 """A layer whose retry falls back again waits twice as long each time, up to ``2^6`` times ``fallback_retry``."""
@@ -57,6 +57,9 @@ def _fresh(key: tuple, device: torch.device) -> torch.Tensor:
     layout, dim, rank, name = key
     return identity_whitening(layout, dim, rank).tensors[name].to(device)
 
+
+NO_VERDICT = -1.0
+"""``shadow_verdict`` before the fallback's first reading (a verdict is a ratio of norms, >= 0)."""
 
 ADAPTIVE_DAMPING_START = {
     "damping_exponent": torch.zeros((), dtype=torch.int64),
@@ -96,9 +99,9 @@ class GiftLayerState(nn.Module):
         for name in ("step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row"):
             self.register_buffer(name, torch.zeros((), dtype=torch.int64))
         self.meter = DeliveredMeter(fqn, d_out, d_in, config) if whitened else None
-        self.shadow_verdict: float | None = None
-        """On the fallback: the GIFT shadow's latest verdict (``meter.py``); None before its first
-        reading (host-side, not checkpointed: a restored run's first retry is not gated)."""
+        # On the fallback: the GIFT shadow's latest verdict (meter.py), which gates the retry;
+        # checkpointed, so a run restored on its fallback decides its retry as the run it continues.
+        self.register_buffer("shadow_verdict", torch.full((), NO_VERDICT, dtype=torch.float64) if whitened else None)
         self._refresh_start: tuple[int, torch.Tensor, int] | None = None  # (step, moment, refreshes) of a refresh
 
     # -- placement -----------------------------------------------------------------------------
@@ -202,8 +205,9 @@ class GiftLayerState(nn.Module):
         """Before a retry's step: when GIFT's shadow read above 1 at its last reading on the
         fallback, the retry fails without a whitened step (the wait doubles, as after a retry that
         fell back)."""
-        verdict, self.shadow_verdict = self.shadow_verdict, None
-        if verdict is None or verdict <= 1.0:
+        verdict = float(self.shadow_verdict)
+        self.shadow_verdict.fill_(NO_VERDICT)
+        if verdict <= 1.0:  # GIFT's shadow wins, or has not read yet
             return
         self._fall_back(from_step=int(self.step))
         log.warning("GIFT layer %s: its GIFT shadow read %.2fx the Euclidean route's on the fallback; retry skipped, "
@@ -249,7 +253,7 @@ class GiftLayerState(nn.Module):
         keeps hurting costs one reading interval per retry, and retries grow rare. On the fallback
         the reading is GIFT's shadow's (``meter.py``): a retry is skipped while it reads above 1."""
         if not self.whitening_on():
-            self.shadow_verdict = reading.verdict
+            self.shadow_verdict.fill_(reading.verdict)
             return
         if self.config.adaptive_damping:
             self.adapt_damping(reading.verdict)
@@ -376,6 +380,8 @@ class GiftState(nn.Module):
         for key, (d_out, d_in, whitened) in layers.items():
             layer = self.layer(key.replace("/", "."), d_out, d_in, whitened=whitened)
             state_dict.setdefault(f"layers.{key}.fallbacks_in_a_row", torch.zeros((), dtype=torch.int64))  # saved before retries doubled
+            if whitened:  # saved before the retry was gated
+                state_dict.setdefault(f"layers.{key}.shadow_verdict", torch.full((), NO_VERDICT, dtype=torch.float64))
             gathered = state_dict.get(f"layers.{key}.gather_residual")
             if gathered is not None:
                 layer.ensure_gather_residual(*gathered.shape)
@@ -425,6 +431,9 @@ class GiftState(nn.Module):
                 bad = int((~torch.isfinite(value)).sum())
                 raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer {buffer!r} holds {bad} non-finite value(s) "
                                  "(NaN/Inf): the checkpoint is corrupt, and a step from it would send NaN gradients")
+            if buffer == "shadow_verdict" and float(value) < 0 and float(value) != NO_VERDICT:
+                raise ValueError(f"GIFT checkpoint: layer {fqn!r} buffer 'shadow_verdict' is {float(value)}, neither a "
+                                 f"ratio (>= 0) nor {NO_VERDICT} (none yet): the checkpoint is corrupt")
             allowed = {"damping_exponent": range(-DAMPING_OCTAVES, DAMPING_OCTAVES + 1), "damping_direction": (-1, 1),
                        "fallbacks_in_a_row": range(0, MAX_INT + 1)}.get(buffer)
             if allowed is not None and int(value) not in allowed:

@@ -238,12 +238,13 @@ def refusals(rank, world, tmp):
     refused("low_rank", saved, CONFIG.replace(low_rank=8))
     refused("damping_exponent", {**saved, "layers.fc2.damping_exponent": torch.tensor(1000)})  # damping * 2^1000: inf
     refused("fallbacks_in_a_row", {**saved, "layers.fc2.fallbacks_in_a_row": torch.tensor(-1)})
+    refused("shadow_verdict", {**saved, "layers.fc2.shadow_verdict": torch.tensor(-0.5, dtype=torch.float64)})
     before_adaptive = {k: v for k, v in saved.items()
-                       if not k.endswith(("damping_exponent", "damping_direction", "last_verdict", "fallbacks_in_a_row"))}
+                       if not k.endswith(("damping_exponent", "damping_direction", "last_verdict", "fallbacks_in_a_row", "shadow_verdict"))}
     older = gift_backend(CONFIG)
-    older.load_state_dict(before_adaptive, model=m)  # saved before adaptive damping and retry doubling: they start afresh
+    older.load_state_dict(before_adaptive, model=m)  # saved before adaptive damping, retry doubling, gated retries: they start afresh
     assert older.state.layer("fc2").damping == CONFIG.damping and float(older.state.layer("fc2").last_verdict) < 0
-    assert int(older.state.layer("fc2").fallbacks_in_a_row) == 0
+    assert int(older.state.layer("fc2").fallbacks_in_a_row) == 0 and float(older.state.layer("fc2").shadow_verdict) < 0
 
     class Wider(ThreeLayers):
         def __init__(self):
@@ -265,6 +266,7 @@ def test_unusable_states_are_refused_when_loaded(ranks, tmp_path):
         assert "saved with low_rank=4, this config has low_rank=8" in messages["low_rank"]
         assert "layer 'fc2' buffer 'damping_exponent' is 1000, outside [-7, 7]: the checkpoint is corrupt" in messages["damping_exponent"]
         assert "layer 'fc2' buffer 'fallbacks_in_a_row' is -1, outside [0, 2147483647]" in messages["fallbacks_in_a_row"]
+        assert "layer 'fc2' buffer 'shadow_verdict' is -0.5, neither a ratio (>= 0) nor -1.0" in messages["shadow_verdict"]
         assert "layer 'fc2' was saved for (32, 32) gradients, this model's layer has (48, 32)" in messages["shape"]
 
 

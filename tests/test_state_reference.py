@@ -141,12 +141,17 @@ def meter_inputs(rank, step, d_in=METER_D_IN):
     return grad_out @ x, x
 
 
-def metered_steps(rank, world, config, collective, steps, inputs=meter_inputs):
+def metered_steps(rank, world, config, collective, steps, inputs=meter_inputs, restore_after=None):
     """GIFT's delivered gradients, and per step the counters' (one-step, accumulated) reading
-    and whether the layer is on its fallback."""
+    and whether the layer is on its fallback. ``restore_after``: after that step, carry on in a
+    new reducer from a checkpoint of the state (its counters and meter window start afresh)."""
     reducer = GiftReducer(config)
     delivered, readings, fallback = [], [], []
     for step in range(steps):
+        if step - 1 == restore_after:
+            saved = reducer.state.state_dict()
+            reducer = GiftReducer(config)
+            reducer.state.load_state_dict(saved)
         grad, x = inputs(rank, step)
         delivered.append(reducer.reduce_layer("fc", grad, x, collective=collective).double())
         counters = reducer.runtime.counters["fc"].as_dict()
@@ -386,6 +391,21 @@ def test_a_layer_that_whitening_hurts_is_retried_only_when_its_gift_shadow_wins(
     assert until[5:11] == [12] * 6 and until[11:] == [24] * 3  # ...at 6 (wait 3 -> 6) nor at 12 (-> 12)
 
 
+def test_a_run_restored_on_its_fallback_gates_its_retry_as_the_run_it_continues(ranks):
+    """The [CLS] layer (whitening hurts), a reading every 2 steps, patience 2, retry after 5: it
+    falls back after the readings at 0 and 2, Euclidean until step 8; the GIFT shadow's reading at
+    step 6 is above 1, so the retry due at 8 is skipped (until 8 + 10; at 18 again). A run restored from a
+    checkpoint saved after step 6 has no reading before the retry (step 7 has none), so it decides
+    from the verdict in the state, as the run it continues does: a blind retry would whiten step
+    8, read above 1 there and fall back from 9 (until 19)."""
+    config = GiftConfig(layers=("fc",), meter_interval=2, meter_window=1, fallback_patience=2, fallback_retry=5)
+    steps = 20
+    straight = ranks(2).run(metered_steps, config, "reduce_scatter", steps, classifier_inputs)[0][2]
+    restored = ranks(2).run(metered_steps, config, "reduce_scatter", steps, classifier_inputs, 6)[0][2]
+    assert not any(straight[:2]) and all(straight[2:]), straight  # the retries due at 8 and 18 skipped
+    assert restored == straight
+
+
 def recovering_inputs(rank, step):
     """The [CLS]-like layer (whitening hurts) until step 12, then correlated inputs (it helps)."""
     return classifier_inputs(rank, step) if step < 12 else meter_inputs(rank, step)
@@ -543,7 +563,7 @@ def test_state_lives_on_the_gradients_device_and_bookkeeping_on_the_host(config)
     assert state.layer("fc", D_OUT, D_IN, torch.device("meta")) is layer
     devices = {name: buffer.device.type for name, buffer in layer.named_buffers()}
     controller = {"damping_exponent", "damping_direction", "last_verdict"} if layer.current_step else set()  # adaptive_damping's
-    assert {name for name, device in devices.items() if device == "cpu"} == {"shape", "step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row"} | controller
+    assert {name for name, device in devices.items() if device == "cpu"} == {"shape", "step", "refreshes", "fallback_until", "meter_over", "fallbacks_in_a_row", "shadow_verdict"} | controller
     assert devices["residual"] == "meta" and all(d == "meta" for n, d in devices.items() if n.startswith(("basis", "factor_", "moment")))
     assert layer.whitening_on()
     moved = GiftState(config)
