@@ -62,6 +62,8 @@ VARIANTS = {
     "fp4": ["--gift.layers=", "--gift.euclidean_dtype", "fp4", "--gift.embedding_dtype", "fp4"],
     "gift_fp4": ["--gift.gift_dtype", "fp4", "--gift.euclidean_dtype", "fp4", "--gift.embedding_dtype", "fp4"],
 }
+VARIANTS["gift_bf16_stats"] = [*VARIANTS["gift"], "--gift.stats_dtype", "bf16"]
+VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", "bf16"]
 DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]
 
 
@@ -311,11 +313,12 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
             fp8, gift = find(results, mode, rate, "fp8"), find(results, mode, rate, "gift")
             budget = (gift or at_rate[0]).losses[-1][0]
             losses = ", ".join(f"{r.variant} {_loss_at(r.losses, budget):.3f}" for r in at_rate)
-            overhead = (f"GIFT's step {gift.step_s / fp8.step_s - 1:+.0%} over FP8 ({gift.step_s - fp8.step_s:+.2f} s, "
-                        f"{gift.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); ") if fp8 and gift else ""
-            gift4 = find(results, mode, rate, "gift_fp4")
-            if fp8 and gift4:
-                overhead += f"GIFT-FP4 {gift4.tokens_s / fp8.tokens_s:.2f}x FP8's tokens/s ({gift4.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); "
+            overhead = "".join(
+                f"{r.variant} {r.tokens_s / fp8.tokens_s:.2f}x FP8's tokens/s ({r.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); "
+                if "fp4" in r.variant else
+                f"{r.variant}'s step {r.step_s / fp8.step_s - 1:+.0%} over FP8's ({r.step_s - fp8.step_s:+.2f} s, "
+                f"{r.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); "
+                for r in at_rate if fp8 and r.variant.startswith("gift"))
             lines.append(f"- {rate_label(rate)}: {overhead}loss after {budget:.1f} s of training (GIFT's time for its steps): {losses}")
         lines.append("")
     return "\n".join(lines)
