@@ -44,7 +44,7 @@ the same ``S``, summed in the same all-reduce.
 
 On the layer's fallback (``T = I``: what it delivers is the Euclidean route's) the roles swap:
 the shadow is GIFT's route, the same round trips in whitened coordinates with the ``T`` the
-layer would use (``fallback_of``), so a reading still says how GIFT compares with Euclidean,
+layer would use (handed to the meter at every step), so a reading still says how GIFT compares with Euclidean,
 and a retry can be skipped while GIFT would still lose (``state.py``). That shadow runs eagerly.
 
 A reading covers a *window*: ``meter_window`` steps ending at each ``meter_interval``-th step
@@ -168,7 +168,6 @@ class DeliveredMeter:
         ``whitening``: the layer's ``T`` this step (its basis compresses the reading). On the
         layer's fallback (``on_fallback``) the shadow is GIFT's route with it, and the delivered
         gradient the Euclidean one."""
-        fallback_of = whitening if on_fallback else None
         world = dist.get_world_size(route.group)
         if self.compiled is None:
             self.compiled = self._compile_stages(route, world, grad.device)
@@ -177,17 +176,16 @@ class DeliveredMeter:
             return
         g = grad.detach().float()
         window = self.window
-        gift_shadow = fallback_of is not None
-        if window is None or window.last_step != step - 1 or window.gift_shadow != gift_shadow:  # a new window (a gap, a switch: start over)
+        if window is None or window.last_step != step - 1 or window.gift_shadow != on_fallback:  # a new window (a gap, a switch: start over)
             window = self.window = Window(self.fqn, self.d_out, self.d_in, _shard_rows(self.d_out, world), step, g.device)
             window.counting = where == "read"  # a window joined late counts from its next step
         args = (g, window.residual, window.sketch, _scale(route, world), route, world)
-        if gift_shadow:  # eagerly: a layer is rarely on its fallback, and a compile then would stall the run
-            window.residual, *held = _first_stage(*args, fallback_of)
+        if on_fallback:  # eagerly: a layer is rarely on its fallback, and a compile then would stall the run
+            window.residual, *held = _first_stage(*args, whitening)
         else:
             window.residual, *held = (_compiled_first_stage if self.compiled else _first_stage)(*args)
         window.held = tuple(held)
-        window.whitening = fallback_of
+        window.whitening = whitening if on_fallback else None
         window.principal = whitening.tensors.get("basis")
         window.route, window.last_step = route, step
 
