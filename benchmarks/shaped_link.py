@@ -3,7 +3,7 @@
 Loopback makes fp32 traffic nearly free, so every loopback timing shows FP8 and GIFT only as
 extra codec work. Here the two ranks of a torchtitan job live in two Linux network namespaces
 joined by a veth pair whose both ends are shaped with ``tc`` (token bucket: rate, burst,
-latency; optionally netem delay), and the job is launched as a 2-node torchrun job (one rank
+latency; cells with an added round trip go through a delay line instead), and the job is launched as a 2-node torchrun job (one rank
 per "node", gloo over the veth). The Llama-3 debug job (6.2M parameters, graph_trainer) runs
 
 * in replicate mode (pure data parallel: the gradient all-reduces are all the traffic) and
@@ -11,7 +11,7 @@ per "node", gloo over the veth). The Llama-3 debug job (6.2M parameters, graph_t
 
 under fp32, bf16, Euclidean FP8 and GIFT gradients, at several link rates, with the same seed
 and data, all in one invocation. For every run it reports the per-step time (mean over the
-timed steps, which include the live meter's steps, and spread), tokens/s, the bytes the veth carried per step (kernel counters), the share of the
+timed steps, which include the live meter's steps, and spread), tokens/s, the bytes the link carried per step (kernel counters), the share of the
 step spent beyond the compute (a 1-rank run of the same per-rank batch is the compute time)
 and the loss after a fixed wall-clock budget; then the link rate below which FP8 and GIFT
 beat fp32 and GIFT's cost over FP8 at each rate. A table goes to stdout and
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import json
 import os
@@ -86,11 +87,12 @@ class ShapedLink:
     """Two network namespaces joined by a veth pair (``a`` <-> ``b``), removed on exit.
 
     ``shape(rate_mbit)`` puts a token bucket on both ends (egress: each direction is shaped
-    once); ``None`` leaves the veth unshaped.
+    once); ``None`` leaves the link unshaped.
     """
 
     def __init__(self, tag: str | None = None) -> None:
         tag = tag or str(os.getpid())
+        self.tag = tag
         self.namespaces = (f"gift{tag}a", f"gift{tag}b")
         self.devices = (f"gv{tag}a"[-15:], f"gv{tag}b"[-15:])  # interface names: 15 characters at most
         subnet = int(tag) % 250 + 1 if tag.isdigit() else 1
@@ -112,49 +114,39 @@ class ShapedLink:
         try:
             for ns in self.namespaces:
                 _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
-            for ns, device, address in zip(self.namespaces, self.devices, self.addresses):
-                _run("ip", "link", "set", device, "netns", ns)
-                _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", device)
-                _run("ip", "-n", ns, "link", "set", device, "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
+            self._join()
         except BaseException:
             self.remove()
             raise
         return self
 
+    def _join(self) -> None:
+        """Create the two devices, one in each namespace, addressed and up."""
+        _run("ip", "link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
+        for ns, device, address in zip(self.namespaces, self.devices, self.addresses):
+            _run("ip", "link", "set", device, "netns", ns)
+            _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", device)
+            _run("ip", "-n", ns, "link", "set", device, "up")
+
     def __exit__(self, *exc) -> None:
         self.remove()
 
     def remove(self) -> None:
-        """Delete both namespaces (which deletes the veth pair); safe to call twice."""
+        """Delete both namespaces (which deletes the devices in them); safe to call twice."""
         if not self._created:
             return
         for ns in self.namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._created = False
 
-    def shape(self, rate_mbit: float | None, delay_ms: float = 0.0) -> None:
+    def shape(self, rate_mbit: float | None) -> None:
         for ns, device in zip(self.namespaces, self.devices):
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", device, "root"], capture_output=True)
-            if rate_mbit is None and not delay_ms:
-                continue
-            parent = ["root"]
-            if delay_ms:
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms")
-                parent = ["parent", "1:", "handle", "2:"]
             if rate_mbit is not None:
                 burst = max(int(rate_mbit * 1e6 / 8 / 100), 32 * 1024)  # 10 ms of traffic, at least 32 KiB
-                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, *parent, "tbf", "rate", f"{rate_mbit}mbit",
+                _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{rate_mbit}mbit",
                      "burst", str(burst), "latency", "100ms")
-
-    def can_delay(self) -> bool:
-        """Whether this kernel has netem (``sch_netem``), which the delay cells need."""
-        ns, device = self.namespaces[0], self.devices[0]
-        added = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, "root", "netem", "delay", "1ms"],
-                               capture_output=True).returncode == 0
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", device, "root"], capture_output=True)
-        return added
 
     def tx_bytes(self, side: int) -> int:
         out = subprocess.run(["ip", "netns", "exec", self.namespaces[side], "cat", f"/sys/class/net/{self.devices[side]}/statistics/tx_bytes"],
@@ -163,6 +155,100 @@ class ShapedLink:
 
     def command(self, side: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.namespaces[side], *argv]
+
+
+TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
+
+
+class DelayedLink(ShapedLink):
+    """Two namespaces joined through a delay line: a TUN device in each, and a forwarder process
+    that holds every packet for ``one_way_ms`` before passing it to the other side.
+
+    netem would do this in the kernel, but kernels without ``sch_netem`` (this machine's) are
+    common in containers, and TUN is nearly always there. The token bucket of ``shape`` still
+    shapes each TUN device's egress, that is the packets on their way into the delay line.
+    The forwarder runs at a raised priority (it stands in for the network, not for the job) and
+    its own cost adds a fraction of a millisecond to the round trip: ``round_trip_ms`` measures
+    what the link really has.
+    """
+
+    MTU = 9000  # jumbo frames: a TUN device has no segmentation offload, and fewer packets keep the forwarder cheap
+
+    def __init__(self, tag: str | None = None, one_way_ms: float = 1.0) -> None:
+        super().__init__(tag)
+        self.devices = (f"gt{self.tag}a"[-15:], f"gt{self.tag}b"[-15:])
+        self.one_way_ms = one_way_ms
+        self._forwarder: subprocess.Popen | None = None
+
+    def _join(self) -> None:
+        import fcntl
+        import struct
+
+        fds = []
+        try:
+            for ns, device, address, peer in zip(self.namespaces, self.devices, self.addresses, reversed(self.addresses)):
+                fd = os.open("/dev/net/tun", os.O_RDWR)
+                fds.append(fd)
+                fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", device.encode(), IFF_TUN | IFF_NO_PI))
+                _run("ip", "link", "set", device, "netns", ns)  # the open descriptor stays attached to the device
+                _run("ip", "-n", ns, "addr", "add", address, "peer", peer, "dev", device)
+                _run("ip", "-n", ns, "link", "set", device, "mtu", str(self.MTU), "up")
+            self._forwarder = subprocess.Popen(
+                [sys.executable, __file__, "--forward", *map(str, fds), str(self.one_way_ms)], pass_fds=fds)
+        finally:
+            for fd in fds:  # the forwarder holds its own copies
+                os.close(fd)
+
+    def remove(self) -> None:
+        if self._forwarder is not None:
+            self._forwarder.kill()
+            self._forwarder.wait()
+            self._forwarder = None
+        super().remove()
+
+
+def forward(fds: tuple[int, int], one_way_ms: float) -> None:
+    """The delay line's forwarder: each packet read from one TUN device is written to the other
+    ``one_way_ms`` after it arrived, in order. Runs until killed."""
+    import collections
+    import select
+
+    try:
+        os.nice(-10)
+    except PermissionError:
+        pass
+    delay = one_way_ms / 1000
+    queues = (collections.deque(), collections.deque())  # (due time, packet) per direction
+    while True:
+        now = time.monotonic()
+        for side, queue in enumerate(queues):
+            while queue and queue[0][0] <= now:
+                os.write(fds[1 - side], queue.popleft()[1])
+        due = [queue[0][0] for queue in queues if queue]
+        ready, _, _ = select.select(fds, [], [], max(0.0, min(due) - time.monotonic()) if due else None)
+        arrived = time.monotonic()
+        for fd in ready:
+            queues[fds.index(fd)].append((arrived + delay, os.read(fd, 65536)))
+
+
+def round_trip_ms(link: ShapedLink, port: int, pings: int = 50) -> float:
+    """The median TCP round trip between the two namespaces (1 byte there and back, Nagle off)."""
+    address = link.addresses[1]
+    echo = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            f"s.bind(('{address}', {port})); s.listen(1); c, _ = s.accept(); "
+            "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)\nwhile (b := c.recv(1)): c.sendall(b)")
+    ping = ("import socket, statistics, time\nfor _ in range(100):\n    try: c = socket.create_connection"
+            f"(('{address}', {port})); break\n    except OSError: time.sleep(0.05)\n"
+            "c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); times = []\n"
+            f"for _ in range({pings}):\n    t = time.perf_counter(); c.sendall(b'p'); c.recv(1); times.append(time.perf_counter() - t)\n"
+            "print(statistics.median(times) * 1000)")
+    server = subprocess.Popen(link.command(1, [sys.executable, "-c", echo]))
+    try:
+        out = subprocess.run(link.command(0, [sys.executable, "-c", ping]), check=True, capture_output=True, text=True, timeout=60)
+    finally:
+        server.kill()
+        server.wait()
+    return float(out.stdout)
 
 
 @dataclass
@@ -246,21 +332,27 @@ def find(results: list[Result], mode: str, rate: str, variant: str) -> Result | 
 def crossover(results: list[Result], mode: str, variant: str) -> str:
     """The highest rate at which ``variant`` beats fp32 in tokens/s."""
     wins = [r.rate for r in results if r.mode == mode and r.variant == variant and link_settings(r.rate)[0] is not None
-            and not link_settings(r.rate)[1] and (fp32 := find(results, mode, r.rate, "fp32")) is not None and r.tokens_s > fp32.tokens_s]
+            and not on_delay_line(r.rate) and (fp32 := find(results, mode, r.rate, "fp32")) is not None and r.tokens_s > fp32.tokens_s]
     return max(wins, key=float) + " Mbit/s" if wins else "none of the rates measured"
 
 
 def link_settings(cell: str) -> tuple[float | None, float]:
     """A cell ``"200"``, ``"unshaped"`` or ``"200+2ms"`` (2 ms of added round trip) as
-    ``(rate Mbit/s or None, netem delay on each end in ms)``."""
+    ``(rate Mbit/s or None, delay each way in ms)``."""
     rate, _, rtt = cell.partition("+")
     return (None if rate == "unshaped" else float(rate)), (float(rtt.removesuffix("ms")) / 2 if rtt else 0.0)
+
+
+def on_delay_line(cell: str) -> bool:
+    """Cells with a '+' (``"200+2ms"``, also ``"200+0ms"``: the delay line's own baseline) run on a
+    DelayedLink, the others on the veth."""
+    return "+" in cell
 
 
 def rate_label(rate: str) -> str:
     mbit, delay = link_settings(rate)
     base = "unshaped" if mbit is None else f"{mbit:g} Mbit/s"
-    return base + (f" + {2 * delay:g} ms RTT" if delay else "")
+    return base + (f" + {2 * delay:g} ms RTT" if on_delay_line(rate) else "")
 
 
 def wire_s(result: Result) -> float:
@@ -274,7 +366,7 @@ def limit_s(result: Result, compute_s: float) -> float:
     return max(compute_s + result.codec_s, wire_s(result))
 
 
-def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str:
+def report(results: list[Result], compute_s: float, tokens_per_step: int, round_trips: dict[str, float]) -> str:
     from tabulate import tabulate
 
     rows = []
@@ -300,9 +392,14 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int) -> str
              f"Compute alone (1 rank, same per-rank batch): {compute_s:.2f} s/step; {tokens_per_step} tokens per step in all. "
              "'Beyond compute' is the share of the step not explained by that compute (communication, codec, waiting). "
              "'Limit' is what the link and the CPU allow: max(compute alone + the codec's seconds from GIFT's time meter, "
-             "the bytes the veth carried per step and direction / the link rate); 'codec s' and 'wait s' are GIFT's time "
+             "the bytes the link carried per step and direction / the link rate); 'codec s' and 'wait s' are GIFT's time "
              "meter (gift/codec_s, gift/comm_wait_s: means over the timed steps; fp32 runs no codec); 'collectives/step' "
              "counts the collectives of the final graph (fp32: the stock graph, not counted).", ""]
+    if round_trips:
+        lines[-1:-1] = ["Idle TCP round trip between the two nodes (median of 50 1-byte pings): " + "; ".join(
+            f"{rate_label(cell)} {ms:.2f} ms" for cell, ms in round_trips.items()) + ". Cells with an added round trip run "
+            "on a delay line (`DelayedLink`: a TUN device per node, MTU 9000, and a forwarder process that holds each packet; "
+            "this kernel has no netem), the others on the veth.", ""]
     for mode in sorted({r.mode for r in results}):
         if any(r.mode == mode and r.variant == "fp32" for r in results):
             lines.append(f"**{mode}**: FP8 beats fp32 up to {crossover(results, mode, 'fp8')}; GIFT up to {crossover(results, mode, 'gift')}.")
@@ -342,7 +439,7 @@ def plot(results: list[Result], out: Path) -> None:
         ax = axes[0][col]
         for variant in variants:
             runs = [r for r in results if r.mode == mode and r.variant == variant]
-            runs = [r for r in runs if not link_settings(r.rate)[1]]  # the delay cell is in the table
+            runs = [r for r in runs if not on_delay_line(r.rate)]  # the delay cells are in the table
             xs = [link_settings(r.rate)[0] or 10000.0 for r in runs]
             ax.plot(xs, [r.tokens_s for r in runs], marker="o", label=variant)
         ax.set_xscale("log")
@@ -393,18 +490,27 @@ def main() -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     saved = RESULTS / f"{args.results}.json"
     previous = json.loads(saved.read_text()) if args.merge and saved.exists() else None
-    with tempfile.TemporaryDirectory() as tmp, ShapedLink() as link:
-        rates = args.rates
-        if any(link_settings(rate)[1] for rate in rates) and not link.can_delay():
-            rates = [rate for rate in rates if not link_settings(rate)[1]]
-            print(f"warning: this kernel has no netem qdisc (sch_netem), so the delay cells "
-                  f"{[r for r in args.rates if r not in rates]} are not run", file=sys.stderr, flush=True)
+    round_trips: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        links: dict[float | None, ShapedLink] = {None: stack.enter_context(ShapedLink())}  # one-way delay (None: veth) -> link
+
+        def link_for(cell: str) -> ShapedLink:
+            """The veth for plain cells; a delay line (one per delay) for cells with '+'."""
+            one_way = link_settings(cell)[1] if "+" in cell else None
+            if one_way not in links:
+                links[one_way] = stack.enter_context(DelayedLink(f"{os.getpid()}{len(links)}", one_way))
+            return links[one_way]
+
         workdir = Path(tmp)
         compute_s = compute_only(args.steps, workdir)
         print(f"compute alone: {compute_s:.2f} s/step", flush=True)
         port = 29700
-        for rate in rates:
-            link.shape(*link_settings(rate))
+        for rate in args.rates:
+            link = link_for(rate)
+            link.shape(link_settings(rate)[0])
+            port += 1
+            round_trips[rate] = round_trip_ms(link, port)
+            print(f"{rate_label(rate)}: idle round trip {round_trips[rate]:.2f} ms", flush=True)
             for mode in args.modes:
                 for variant in args.variants:
                     port += 1
@@ -415,7 +521,7 @@ def main() -> int:
                     print(f"  {mode:9s} {rate:>8s} {variant:5s}: {step_s:.2f} s/step, {tokens / step_s:.0f} tokens/s, "
                           f"{per_step / 2**20:.1f} MiB/step/direction ({time.time() - started:.0f} s)", flush=True)
                     # saved after every run: a crash or Ctrl-C keeps what was measured
-                    raw = {"compute_s": compute_s, "results": [dataclasses.asdict(r) for r in results]}
+                    raw = {"compute_s": compute_s, "round_trip_ms": round_trips, "results": [dataclasses.asdict(r) for r in results]}
                     raw = merged(previous, raw) if previous else raw
                     saved.write_text(json.dumps(raw))
     if raw:
@@ -428,16 +534,19 @@ def merged(old: dict, new: dict) -> dict:
     compute-only time is ``old``'s, so that every limit in one table uses one baseline."""
     key = lambda r: (r["mode"], r["rate"], r["variant"])
     fresh = {key(r) for r in new["results"]}
-    return {"compute_s": old["compute_s"], "results": [r for r in old["results"] if key(r) not in fresh] + new["results"]}
+    return {"compute_s": old["compute_s"], "round_trip_ms": {**old.get("round_trip_ms", {}), **new["round_trip_ms"]},
+            "results": [r for r in old["results"] if key(r) not in fresh] + new["results"]}
 
 
 def render(raw: dict, stem: str = "shaped_link") -> None:
     results = [Result(**r) for r in raw["results"]]
-    text = report(results, raw["compute_s"], 2 * 2 * 256)
+    text = report(results, raw["compute_s"], 2 * 2 * 256, raw.get("round_trip_ms", {}))
     print("\n" + text)
     (RESULTS / f"{stem}.md").write_text("# Training over a shaped link (`sudo python benchmarks/shaped_link.py`)\n\n" + text + "\n")
     plot(results, RESULTS / f"{stem}.png")
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--forward"]:  # the forwarder process of a DelayedLink
+        forward((int(sys.argv[2]), int(sys.argv[3])), float(sys.argv[4]))
     sys.exit(main())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from shaped_link import ShapedLink, missing_requirements
+from shaped_link import DelayedLink, ShapedLink, missing_requirements, round_trip_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or bool(missing_requirements()), reason="network namespaces need root and iproute2")
@@ -137,3 +137,30 @@ def test_without_root_the_benchmark_explains_itself(tmp_path):
     assert run.returncode == 2, detail
     assert "needs:" in run.stderr and "root: network namespaces and tc need CAP_NET_ADMIN (run it with sudo)" in run.stderr, detail
     assert "Traceback" not in run.stderr, detail
+
+
+@needs_root
+def test_the_delay_line_adds_its_round_trip_carries_shaped_traffic_and_is_removed():
+    """The delay cells' link: each packet is held 5 ms each way, so a TCP ping takes at least
+    10 ms (and the forwarder's own cost is well under the 10 ms bound above that); the veth,
+    with no delay line, answers in well under a millisecond."""
+    with ShapedLink("904") as veth:
+        assert round_trip_ms(veth, 5904) < 1.0
+    with DelayedLink("905", one_way_ms=5.0) as link:
+        a, b = link.namespaces
+        forwarder = link._forwarder.pid
+        link.shape(100)
+        qdisc = subprocess.run(["ip", "netns", "exec", a, "tc", "qdisc", "show", "dev", link.devices[0]], capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "rate 100Mbit" in qdisc
+        assert 10.0 <= round_trip_ms(link, 5905) < 20.0
+        before = link.tx_bytes(0)
+        server = subprocess.Popen(link.command(1, [sys.executable, "-c", (
+            "import socket; s = socket.socket(); s.bind(('%s', 5906)); s.listen(1); c, _ = s.accept(); "
+            "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)") % link.addresses[1]]), stdout=subprocess.PIPE, text=True)
+        sent = subprocess.run(link.command(0, [sys.executable, "-c", (
+            "import socket, time\nfor _ in range(50):\n    try: s = socket.create_connection(('%s', 5906)); break\n"
+            "    except OSError: time.sleep(0.1)\ns.sendall(b'x' * 3000000); s.close()") % link.addresses[1]]), timeout=60)
+        assert sent.returncode == 0 and server.communicate(timeout=60)[0].strip() == "3000000"
+        assert link.tx_bytes(0) - before > 3000000  # the payload went through the TUN device, in order and whole
+    assert a not in namespaces() and b not in namespaces()
+    assert not os.path.exists(f"/proc/{forwarder}")
