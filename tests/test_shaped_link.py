@@ -27,6 +27,19 @@ def links() -> str:
     return subprocess.run(["ip", "link"], capture_output=True, text=True, check=True).stdout
 
 
+def bytes_received(link: ShapedLink, port: int, size: int) -> int:
+    """Send ``size`` bytes over TCP from node a to node b; what b counted."""
+    server = subprocess.Popen(link.command(1, [sys.executable, "-c", (
+        "import socket; s = socket.socket(); s.bind(('%s', %d)); s.listen(1); c, _ = s.accept(); "
+        "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)") % (link.addresses[1], port)]), stdout=subprocess.PIPE, text=True)
+    sent = subprocess.run(link.command(0, [sys.executable, "-c", (
+        "import socket, time\nfor _ in range(50):\n    try: s = socket.create_connection(('%s', %d)); break\n"
+        "    except OSError: time.sleep(0.1)\ns.sendall(b'x' * %d); s.close()") % (link.addresses[1], port, size)]), timeout=60)
+    received = server.communicate(timeout=60)[0].strip()
+    assert sent.returncode == 0, "the sender failed"
+    return int(received)
+
+
 @needs_root
 def test_namespaces_are_joined_shaped_and_removed():
     with ShapedLink("901") as link:
@@ -36,13 +49,7 @@ def test_namespaces_are_joined_shaped_and_removed():
         qdisc = subprocess.run(["ip", "netns", "exec", a, "tc", "qdisc", "show", "dev", link.devices[0]], capture_output=True, text=True).stdout
         assert "tbf" in qdisc and "rate 100Mbit" in qdisc
         # the two "nodes" reach each other over the veth (and only through it)
-        server = subprocess.Popen(link.command(1, [sys.executable, "-c", (
-            "import socket; s = socket.socket(); s.bind(('%s', 5901)); s.listen(1); c, _ = s.accept(); "
-            "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)") % link.addresses[1]]), stdout=subprocess.PIPE, text=True)
-        sent = subprocess.run(link.command(0, [sys.executable, "-c", (
-            "import socket, time\nfor _ in range(50):\n    try: s = socket.create_connection(('%s', 5901)); break\n"
-            "    except OSError: time.sleep(0.1)\ns.sendall(b'x' * 300000); s.close()") % link.addresses[1]]), timeout=60)
-        assert sent.returncode == 0 and server.communicate(timeout=60)[0].strip() == "300000"
+        assert bytes_received(link, 5901, 300000) == 300000
         assert link.tx_bytes(0) > 300000
         link.shape(None)
     assert a not in namespaces() and b not in namespaces()
@@ -154,13 +161,7 @@ def test_the_delay_line_adds_its_round_trip_carries_shaped_traffic_and_is_remove
         assert "tbf" in qdisc and "rate 100Mbit" in qdisc
         assert 10.0 <= round_trip_ms(link, 5905) < 20.0
         before = link.tx_bytes(0)
-        server = subprocess.Popen(link.command(1, [sys.executable, "-c", (
-            "import socket; s = socket.socket(); s.bind(('%s', 5906)); s.listen(1); c, _ = s.accept(); "
-            "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)") % link.addresses[1]]), stdout=subprocess.PIPE, text=True)
-        sent = subprocess.run(link.command(0, [sys.executable, "-c", (
-            "import socket, time\nfor _ in range(50):\n    try: s = socket.create_connection(('%s', 5906)); break\n"
-            "    except OSError: time.sleep(0.1)\ns.sendall(b'x' * 3000000); s.close()") % link.addresses[1]]), timeout=60)
-        assert sent.returncode == 0 and server.communicate(timeout=60)[0].strip() == "3000000"
-        assert link.tx_bytes(0) - before > 3000000  # the payload went through the TUN device, in order and whole
+        assert bytes_received(link, 5906, 3000000) == 3000000
+        assert link.tx_bytes(0) - before > 3000000  # the payload went through the TUN device
     assert a not in namespaces() and b not in namespaces()
     assert not os.path.exists(f"/proc/{forwarder}")
