@@ -48,6 +48,13 @@ RETRY_DOUBLINGS = 6
 DAMPING_OCTAVES = 7
 """``adaptive_damping``: a layer's damping stays within ``2^-7`` to ``2^7`` times ``config.damping``."""
 
+FAR_OVER = 2.0
+"""A reading above this falls back at once, without ``fallback_patience``: patience guards
+against the meter's noise (a few percent: the sketch's spread), and GIFT delivering twice FP8's
+error is not noise. It is what a layer whose error feedback diverges reads (its residual,
+carried into the next step's coordinates, grown faster than the wire's rounding shrinks it):
+there every step of patience multiplies the error."""
+
 
 @functools.lru_cache(maxsize=64)
 def _fresh(key: tuple, device: torch.device) -> torch.Tensor:
@@ -247,8 +254,9 @@ class GiftLayerState(nn.Module):
         """Count a meter reading (the same on every rank: ``meter.py``). With ``adaptive_damping``
         it moves the damping (:meth:`adapt_damping`). A layer whose delivered error is above
         Euclidean's (one step, or accumulated with error feedback) for ``fallback_patience``
-        readings in a row goes on its fallback for ``fallback_retry`` steps. A retried layer is
-        on probation until a reading at or below 1: its first reading above 1 sends it back, for
+        readings in a row, or more than ``FAR_OVER`` times it in one reading, goes on its fallback
+        for ``fallback_retry`` steps. A retried layer is on probation until a reading at or below
+        1: its first reading above 1 sends it back, for
         twice the previous wait (up to ``2^RETRY_DOUBLINGS`` times), so a layer that whitening
         keeps hurting costs one reading interval per retry, and retries grow rare. On the fallback
         the reading is GIFT's shadow's (``meter.py``): a retry is skipped while it reads above 1."""
@@ -264,7 +272,7 @@ class GiftLayerState(nn.Module):
         if not over:
             self.fallbacks_in_a_row.zero_()
         retried = int(self.fallbacks_in_a_row)
-        patience = 1 if retried else self.config.fallback_patience
+        patience = 1 if retried or reading.verdict > FAR_OVER else self.config.fallback_patience
         if int(self.meter_over) >= patience:
             self._fall_back(from_step=int(self.step) + 1)
             self.meter_over.zero_()

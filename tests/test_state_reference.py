@@ -358,6 +358,69 @@ def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collecti
         assert min(r for r in readings[step] if r is not None) > 1, step  # GIFT loses: no retry would be taken
 
 
+def swapping_inputs(rank, step, d_in=METER_D_IN):
+    """A layer whose inputs' loud directions swap every step: two 8-direction subspaces (a random
+    rotation, so not along the axes) take turns at 1000x the other directions' standard deviation.
+    With damping 1e-4 (the test's config) whitening with this step's factors still helps each
+    step's own rounding, but error feedback's residual, unwhitened by the last step's ``T^-1``
+    (x ``sqrt(lambda + m)`` ~ 1000 along the last step's loud directions) and whitened by this
+    step's ``T`` (x ``1 / sqrt(lambda' + m)`` ~ 1/4 there: ``m`` = 1e-4 x the mean eigenvalue ~ 17,
+    ``lambda'`` ~ 1), returns ~250x larger in the whitened coordinates: far more than e4m3's
+    2^-4 relative rounding takes off, so the residual grows from step to step."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    rotation = torch.linalg.qr(torch.randn(d_in, d_in, generator=torch.Generator().manual_seed(5)))[0]
+    loud = 8
+    scale = torch.ones(d_in)
+    scale[(step % 2) * loud:(step % 2 + 1) * loud] = 1e3
+    x = (torch.randn(TOKENS, d_in, generator=g) * scale) @ rotation.T
+    grad_out = torch.randn(METER_D_OUT, TOKENS, generator=torch.Generator().manual_seed(rank)) + 0.3 * torch.randn(METER_D_OUT, TOKENS, generator=g)
+    return grad_out @ x, x
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+def test_a_layer_error_feedback_makes_worse_than_fp8_falls_back_at_its_first_reading(ranks, collective):
+    """GIFT worse than FP8 only through error feedback (``swapping_inputs``), against the truth
+    (the library's delivered gradients and the float64 oracle's Euclidean route with the same
+    error feedback, both against the exact average), with the defaults but the damping.
+
+    Without error feedback GIFT beats FP8 at every step (measured 0.66-0.82x; bound 0.9) and
+    never falls back. With it the residual diverges (measured 1.3x FP8's error at step 1, 2.6x at
+    step 2, doubling per step), so every step from 2 on is above 2x; the reading at step 0 (no
+    residual yet) is below 1, the one at step 10 far above ``FAR_OVER``, so the layer falls back
+    at once (step 11), not after ``fallback_patience`` readings (step 31, by when the error was
+    1e10x FP8's). On the reduce-scatter route that reading is within 10% of the truth (the
+    sketch's spread); on the all-reduce route the shadow's second stage re-encodes the delivered
+    rows, which carry GIFT's diverged error, so it under-reads (64 where the truth is 4,500) but
+    is still far above 2. On the fallback (Euclidean FP8 with error feedback, the residual carried
+    in the gradient's coordinates) the diverged residual is delivered and shrinks by the wire's
+    rounding each step: from step 20 on, each step is within 15% of FP8's error, 5% on average."""
+    steps = 40
+    config = GiftConfig(layers=("fc",), damping=1e-4)
+    truths = {}
+    for error_feedback in (False, True):
+        run = config.replace(error_feedback=error_feedback)
+        (delivered0, readings, fallback), (delivered1, readings1, _) = ranks(2).run(
+            metered_steps, run, collective, steps, swapping_inputs)
+        assert readings == readings1
+        exact, euclidean = euclidean_truth(2, run, collective, steps, swapping_inputs)
+        delivered = gathered([delivered0, delivered1], collective)
+        ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
+        truths[error_feedback] = ratios, readings, fallback, (delivered, exact, euclidean)
+    ratios, readings, fallback, _ = truths[False]
+    assert max(ratios) < 0.9 and not any(fallback)
+    assert all(readings[step][0] < 1 for step in range(0, steps, 10))
+    ratios, readings, fallback, (delivered, exact, euclidean) = truths[True]
+    assert min(ratios[2:11]) > 2  # the case is real: error feedback makes GIFT worse than FP8 with it
+    assert readings[0][0] < 1 and fallback.index(True) == 10 and all(fallback[10:])  # Euclidean from step 11
+    assert min(readings[10]) > 2
+    if collective == "reduce_scatter":
+        truth = true_reading(delivered, exact, euclidean, 10, config.meter_window)
+        for got, want in zip(readings[10], truth):
+            assert got == pytest.approx(want, rel=0.1)
+    after = ratios[20:]
+    assert max(abs(r - 1) for r in after) < 0.15 and abs(sum(after) / len(after) - 1) < 0.05, after
+
+
 @pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
 def test_on_the_fallback_each_gift_shadow_reading_is_what_the_oracles_gift_route_would_deliver(ranks, collective):
     """The [CLS] layer on its fallback (from step 21), on both routes, defaults (a reading
