@@ -3,8 +3,8 @@
 Loopback makes fp32 traffic nearly free, so every loopback timing shows FP8 and GIFT only as
 extra codec work. Here the two ranks of a torchtitan job live in two Linux network namespaces
 joined by a veth pair whose both ends are shaped with ``tc`` (token bucket: rate, burst,
-latency; cells with an added round trip go through a delay line instead), and the job is launched as a 2-node torchrun job (one rank
-per "node", gloo over the veth). The Llama-3 debug job (6.2M parameters, graph_trainer) runs
+latency; cells with an added round trip go through a delay line instead, ``DelayedLink``), and
+the job is launched as a 2-node torchrun job (one rank per "node", gloo over the link). The Llama-3 debug job (6.2M parameters, graph_trainer) runs
 
 * in replicate mode (pure data parallel: the gradient all-reduces are all the traffic) and
 * in FSDP mode (the parameter all-gathers travel too, so only part of the traffic shrinks),

@@ -256,8 +256,8 @@ class GiftLayerState(nn.Module):
         Euclidean's (one step, or accumulated with error feedback) for ``fallback_patience``
         readings in a row, or more than ``FAR_OVER`` times it in one reading, goes on its fallback
         for ``fallback_retry`` steps. A retried layer is on probation until a reading at or below
-        1: its first reading above 1 sends it back, for
-        twice the previous wait (up to ``2^RETRY_DOUBLINGS`` times), so a layer that whitening
+        1: its first reading above 1 sends it back, for twice the previous wait (up to
+        ``2^RETRY_DOUBLINGS`` times), so a layer that whitening
         keeps hurting costs one reading interval per retry, and retries grow rare. On the fallback
         the reading is GIFT's shadow's (``meter.py``): a retry is skipped while it reads above 1."""
         if not self.whitening_on():

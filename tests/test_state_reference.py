@@ -2,6 +2,7 @@
 
 import functools
 import math
+from typing import NamedTuple
 
 import oracle
 import pytest
@@ -174,6 +175,26 @@ def euclidean_truth(world, config, collective, steps, inputs=meter_inputs):
     return exact, delivered
 
 
+class MeteredRun(NamedTuple):
+    """A 2-rank ``metered_steps`` run beside its truth (``euclidean_truth``)."""
+    readings: list
+    readings_of_rank_1: list
+    fallback: list
+    delivered: list
+    exact: list
+    euclidean: list
+    ratios: list
+    """Per step: GIFT's delivered error over the Euclidean route's, both against the exact average."""
+
+
+def metered_against_the_truth(ranks, config, collective, steps, inputs=meter_inputs) -> MeteredRun:
+    (delivered0, readings, fallback), (delivered1, readings1, _) = ranks(2).run(metered_steps, config, collective, steps, inputs)
+    exact, euclidean = euclidean_truth(2, config, collective, steps, inputs)
+    delivered = gathered([delivered0, delivered1], collective)
+    ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
+    return MeteredRun(readings, readings1, fallback, delivered, exact, euclidean, ratios)
+
+
 def gathered(delivered_per_rank, collective):
     """The whole delivered gradient per step: rank 0's (all-reduce) or the ranks' rows joined."""
     if collective == "all_reduce":
@@ -230,10 +251,8 @@ def check_meter_against_truth(ranks, config, collective, counted, steps=40, inpu
     """Every reading after the first within 0.15 of the truth, the mean signed gap within 0.05
     (bounds: the test above), one verdict on every rank."""
     interval = config.meter_interval
-    (delivered0, readings, _), (delivered1, readings1, _) = ranks(2).run(metered_steps, config, collective, steps, inputs)
+    readings, readings1, _, delivered, exact, euclidean, _ = metered_against_the_truth(ranks, config, collective, steps, inputs)
     assert readings == readings1  # one verdict on every rank
-    exact, euclidean = euclidean_truth(2, config, collective, steps, inputs)
-    delivered = gathered([delivered0, delivered1], collective)
     gaps = []
     for step in range(interval, steps, interval):  # readings after the first
         one_step, accumulated = true_reading(delivered, exact, euclidean, step, counted)
@@ -336,12 +355,9 @@ def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collecti
     the 8 loud directions, inside ``T``'s basis, which is sent exactly."""
     steps, config = 60, GiftConfig(layers=("fc",), error_feedback=error_feedback)
     inputs = functools.partial(classifier_inputs, d_in=d_in)
-    (delivered0, readings, fallback), (delivered1, readings1, _) = ranks(2).run(
-        metered_steps, config, collective, steps, inputs)
+    readings, readings1, fallback, delivered, exact, euclidean, ratios = metered_against_the_truth(
+        ranks, config, collective, steps, inputs)
     assert readings == readings1
-    exact, euclidean = euclidean_truth(2, config, collective, steps, inputs)
-    delivered = gathered([delivered0, delivered1], collective)
-    ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
     assert min(ratios[1:21]) > 1.15  # the case is real: whitening hurts this layer
     assert fallback.index(True) == 20 and all(fallback[20:])  # readings at 0, 10, 20 above 1
     after = ratios[22:]  # step 21 still delivers GIFT's last residual
@@ -396,20 +412,13 @@ def test_a_layer_error_feedback_makes_worse_than_fp8_falls_back_at_its_first_rea
     rounding each step: over steps 20-29, each step is within 15% of FP8's error, 5% on average."""
     steps = 30
     config = GiftConfig(layers=("fc",), damping=1e-4)
-    truths = {}
-    for error_feedback in (False, True):
-        run = config.replace(error_feedback=error_feedback)
-        (delivered0, readings, fallback), (delivered1, readings1, _) = ranks(2).run(
-            metered_steps, run, collective, steps, swapping_inputs)
-        assert readings == readings1
-        exact, euclidean = euclidean_truth(2, run, collective, steps, swapping_inputs)
-        delivered = gathered([delivered0, delivered1], collective)
-        ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
-        truths[error_feedback] = ratios, readings, fallback, (delivered, exact, euclidean)
-    ratios, readings, fallback, _ = truths[False]
-    assert max(ratios) < 0.9 and not any(fallback)
-    assert all(readings[step][0] < 1 for step in range(0, steps, 10))
-    ratios, readings, fallback, (delivered, exact, euclidean) = truths[True]
+    without, with_ = (metered_against_the_truth(ranks, config.replace(error_feedback=error_feedback), collective, steps,
+                                                swapping_inputs) for error_feedback in (False, True))
+    for run in (without, with_):
+        assert run.readings == run.readings_of_rank_1
+    assert max(without.ratios) < 0.9 and not any(without.fallback)
+    assert all(without.readings[step][0] < 1 for step in range(0, steps, 10))
+    readings, _, fallback, delivered, exact, euclidean, ratios = with_
     assert min(ratios[2:11]) > 2  # the case is real: error feedback makes GIFT worse than FP8 with it
     assert readings[0][0] < 1 and fallback.index(True) == 10 and all(fallback[10:])  # Euclidean from step 11
     assert min(readings[10]) > 2
@@ -463,12 +472,9 @@ def test_a_layer_the_second_stage_makes_worse_than_fp8_falls_back(ranks):
     config = GiftConfig(layers=("fc",), damping=0.05, error_feedback=False)
     means = {}
     for collective in ("reduce_scatter", "all_reduce"):
-        (delivered0, readings, fallback), (delivered1, readings1, _) = ranks(2).run(
-            metered_steps, config, collective, steps, second_stage_inputs)
+        readings, readings1, fallback, _, _, _, ratios = metered_against_the_truth(
+            ranks, config, collective, steps, second_stage_inputs)
         assert readings == readings1
-        exact, euclidean = euclidean_truth(2, config, collective, steps, second_stage_inputs)
-        delivered = gathered([delivered0, delivered1], collective)
-        ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
         means[collective] = sum(ratios[:21]) / 21
         if collective == "reduce_scatter":
             assert not any(fallback)
@@ -579,14 +585,11 @@ def test_a_layer_is_retried_once_its_gift_shadow_wins(ranks):
     than FP8 (the readings, and the truth from the oracle's Euclidean route)."""
     config = GiftConfig(layers=("fc",), meter_interval=2, meter_window=1, fallback_patience=2, fallback_retry=6)
     steps = 34
-    (delivered0, readings, fallback), (delivered1, _, _) = ranks(2).run(metered_steps, config, "reduce_scatter", steps, recovering_inputs)
+    readings, _, fallback, _, _, _, ratios = metered_against_the_truth(ranks, config, "reduce_scatter", steps, recovering_inputs)
     shown = [(round(r[0], 2), f) for r, f in zip(readings, fallback)]
     assert not any(fallback[:2]) and all(fallback[2:20]) and not any(fallback[20:]), shown
     assert all(readings[t][0] > 1 for t in range(4, 11, 2)), shown  # the shadow: GIFT would lose
     assert readings[20][0] < 1 and all(readings[t][0] < 1 for t in range(22, steps)), shown
-    exact, euclidean = euclidean_truth(2, config, "reduce_scatter", steps, recovering_inputs)
-    delivered = gathered([delivered0, delivered1], "reduce_scatter")
-    ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
     assert max(ratios[23:]) < 1, [round(r, 2) for r in ratios]
 
 
