@@ -29,7 +29,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gift_compile import GiftConfig, gift_backend, replicate
 from gift_compile.passes.gift_collectives import gift_collectives_pass
-from gift_compile.passes.overlap import overlap_gradient_collectives
+from gift_compile.passes.overlap import overlap_gradient_collectives, prefetched_all_gathers
 from gift_compile.passes.graph_utils import module_fqn
 from gift_compile.runtime import register_runtime
 from graph_render import render_gift_graph
@@ -417,6 +417,31 @@ attn.c_attn       all_gather_into_tensor(GROUP) uint8[1, 1540] -> wait
 attn.c_attn       gift::end_step(NS, attn.c_attn, GROUP, bytes_sent=3080, stats_bytes=520)
 ln_1.bias         all_reduce(avg, GROUP) float32[32] -> wait  (original)
 ln_1.weight       all_reduce(avg, GROUP) float32[32] -> wait  (original)""")
+
+
+def _forward_all_gathers(prefetch: bool) -> fx.Graph:
+    """Two parameters all-gathered and used in turn: each waited where it is issued, or the
+    second issued before the first's wait (graph_trainer's FSDP prefetch order)."""
+    graph, c10d = fx.Graph(), torch.ops._c10d_functional
+    x, p0, p1 = (graph.placeholder(name) for name in ("x", "p0", "p1"))
+    gather = lambda p: graph.call_function(c10d.all_gather_into_tensor.default, (p, 2, "GROUP"))
+    wait = lambda g: graph.call_function(c10d.wait_tensor.default, (g,))
+    if prefetch:
+        g0, g1 = gather(p0), gather(p1)
+        h = graph.call_function(torch.ops.aten.mm.default, (x, wait(g0)))
+        out = graph.call_function(torch.ops.aten.mm.default, (h, wait(g1)))
+    else:
+        h = graph.call_function(torch.ops.aten.mm.default, (x, wait(gather(p0))))
+        out = graph.call_function(torch.ops.aten.mm.default, (h, wait(gather(p1))))
+    graph.output(out)
+    return graph
+
+
+def test_prefetched_all_gathers_counts_those_in_flight_before_an_earlier_wait():
+    # The figure graph_trainer's final graph is logged with: 0 when every all-gather is waited
+    # right where it is issued, 1 when the second goes out before the first is waited on.
+    assert prefetched_all_gathers(_forward_all_gathers(prefetch=False)) == 0
+    assert prefetched_all_gathers(_forward_all_gathers(prefetch=True)) == 1
 
 
 def test_untouched_when_euclidean_is_fp32_and_nothing_selected():

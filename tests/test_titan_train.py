@@ -92,6 +92,11 @@ def test_overlap_and_the_time_meter_reach_the_final_graph_and_the_metrics(runs):
     assert applied[-1] == "gift_overlap_pass" and "regional_inductor_pass" in applied
     moved = [int(m) for m in re.findall(r"GIFT overlap: (\d+) gradient waits now come after", first.log)]
     assert moved and min(moved) > 0
+    # torchtitan's FSDP bucketing/prefetch pass runs on CPU too (cpu_support's roofline shim),
+    # and its prefetch survives the GIFT rewrite and the overlap scheduling
+    assert "joint_transformer_block_bucketing_reordering_pass" in applied
+    prefetched = [int(m) for m in re.findall(r"(\d+) parameter all-gathers prefetched", first.log)]
+    assert prefetched and min(prefetched) > 0
     # the time meter: present every step, shares add up (codec + wait <= the graph's step, which
     # is at most the wall time from one step's record to the next)
     times = {r["step"]: r["time"] for r in first.records if "loss" in r}

@@ -44,9 +44,10 @@ STATISTICS = "gift_statistics"
 whitening, not a later phase of the same gradient's reduction."""
 
 WAIT = c10d.wait_tensor.default
+ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
+"""Parameter all-gathers: one per parameter as traced, one ``_out`` per bucket after graph_trainer's bucketing."""
 COLLECTIVE_OPS = {
-    c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default,
-    c10d.all_gather_into_tensor.default,
+    c10d.all_reduce.default, c10d.reduce_scatter_tensor.default, c10d.all_to_all_single.default, *ALL_GATHERS,
 }
 
 
@@ -134,4 +135,20 @@ def overlap_gradient_collectives(graph: fx.Graph, lag: int = 1) -> int:
     return deferred
 
 
-__all__ = ["GRADIENT_COMM", "STATISTICS", "mark_gradient_collectives", "overlap_gradient_collectives"]
+def prefetched_all_gathers(graph: fx.Graph) -> int:
+    """All-gathers issued before an earlier all-gather's wait: the ones in flight while the
+    compute before that wait runs (graph_trainer's FSDP prefetch; 0 when each is waited where
+    it is issued)."""
+    pending, prefetched = set(), 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in ALL_GATHERS:
+            prefetched += bool(pending)
+            pending.add(node)
+        elif node.target is WAIT:
+            pending.discard(node.args[0])
+    return prefetched
+
+
+__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "prefetched_all_gathers", "STATISTICS", "mark_gradient_collectives", "overlap_gradient_collectives"]

@@ -12,6 +12,7 @@ trainer is built. On a CUDA machine it applies nothing.
 | ``set_timeout``       | ``torch.distributed.set_timeout`` missing | ``AttributeError`` in ``set_pg_timeouts`` after step 1   |
 | ``pg_timeouts_barrier`` | no CUDA device                     | ``barrier(device_ids=["cpu"])`` ``TypeError``                 |
 | ``fsdp_force_sum``    | gloo backend (checked when FSDP runs) | ``Cannot use ReduceOp.PREMUL_SUM with Gloo``                 |
+| ``cpu_roofline``      | no CUDA device                       | ``0 active drivers`` (triton) in Inductor's runtime estimate  |
 """
 
 from __future__ import annotations
@@ -120,6 +121,19 @@ def _fsdp_force_sum() -> None:
     FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
 
 
+CPU_DRAM_GBPS = 20.0
+"""The memory bandwidth Inductor's roofline estimate assumes on a CPU (GB/s, one socket's order)."""
+
+
+def _cpu_roofline() -> None:
+    # graph_trainer's transformer-block bucketing/reordering pass (FSDP all-gather prefetch)
+    # estimates each node's runtime with a roofline whose bandwidth comes from triton's GPU
+    # driver. On a CPU it only needs a number of the right order: it ranks nodes, it times none.
+    import torch.utils._runtime_estimation as estimation
+
+    estimation.get_gpu_dram_gbps = lambda: CPU_DRAM_GBPS
+
+
 def _fsdp_already_patched() -> bool:
     from torch.distributed.fsdp import FSDPModule
 
@@ -138,6 +152,8 @@ def needed_shims() -> list[str]:
         names.append("pg_timeouts_barrier")
     if not _fsdp_already_patched():
         names.append("fsdp_force_sum")
+    if no_cuda:
+        names.append("cpu_roofline")
     return names
 
 
@@ -146,6 +162,7 @@ _SHIMS = {
     "set_timeout": _set_timeout,
     "pg_timeouts_barrier": _pg_timeouts_barrier,
     "fsdp_force_sum": _fsdp_force_sum,
+    "cpu_roofline": _cpu_roofline,
 }
 
 
@@ -168,12 +185,9 @@ def cpu_disabled_graph_passes() -> list[str]:
     """graph_trainer passes that fail without a GPU (empty when CUDA is available)."""
     if torch.cuda.is_available():
         return []
-    return [
-        # "Activation checkpoint rematerialization ... does not support RNG ops in recompute regions"
-        "selective_activation_remat_pass",
-        # Inductor's roofline estimate asks triton for a GPU driver: "0 active drivers"
-        "joint_transformer_block_bucketing_reordering_pass",
-    ]
+    # "Activation checkpoint rematerialization ... does not support RNG ops in recompute regions".
+    # (The FSDP bucketing/prefetch pass runs: the ``cpu_roofline`` shim gives its estimate a bandwidth.)
+    return ["selective_activation_remat_pass"]
 
 
 __all__ = ["APPLIED", "CPU_DEVICE_MODULE", "apply_cpu_support", "cpu_disabled_graph_passes", "needed_shims"]
