@@ -233,10 +233,10 @@ wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
 *                      all_reduce(sum, GROUP) float32[260]
 w2                     mm -> grad float32[32, 64]
 w2                     all_to_all_single(GROUP) uint8[2056]
-*                      wait_tensor(all_reduce)
 w2                     gift::record_euclidean(NS, w2, path=fp8, bytes_sent=2056)
 w3                     mm -> grad float32[64, 32]
 w3                     all_to_all_single(GROUP) uint8[2056]
+*                      wait_tensor(all_reduce)
 w2                     wait_tensor(all_to_all_single)
 w2                     all_gather_into_tensor(GROUP) uint8[1, 1028]
 w3                     gift::record_euclidean(NS, w3, path=fp8, bytes_sent=2056)

@@ -14,7 +14,8 @@ travel while the rank does nothing. Reordered (docs/design.md §10)::
 It is a list scheduler (Kahn's algorithm) over the graph's data dependencies: among the nodes
 whose inputs are ready, a gradient collective goes first; the wait of one becomes eligible
 once ``lag`` more gradients have started their collectives after it (an all-reduce's second
-phase, fed by the first one's wait, does not count), or when nothing else can run; everything
+phase, fed by the first one's wait, does not count, nor does a statistics all-reduce, whose
+sum the backward needs first), or when nothing else can run; everything
 else keeps graph order. Nodes with side effects keep their relative order,
 except the ``gift::`` ops, each of which touches one layer's state and is ordered within its
 layer by the step's token (a data dependency). Only the gradient collectives the GIFT pass marked move
@@ -92,7 +93,12 @@ def overlap_gradient_collectives(graph: fx.Graph, lag: int = 1) -> int:
     after_wait: dict[fx.Node, bool] = {}
     for node in nodes:
         after_wait[node] = any(dep in phase_waits or after_wait[dep] for dep in node.all_input_nodes)
-    leading = {c for c in marked if not after_wait[c]}
+    # The lag counts gradients. A statistics all-reduce goes out as early as any collective, but
+    # it is not counted: its sum is first needed in the backward (the layer's whitening), so its
+    # wait is held until gradients are on the wire. Counted, the next block's statistics would
+    # release it in the forward, where it queues behind every collective issued before it (FSDP's
+    # prefetched all-gathers) and stalls the forward.
+    leading = {c for c in marked if not after_wait[c] and STATISTICS not in c.meta}
 
     ready: list[tuple[int, int, fx.Node]] = []  # (0 for a gradient collective else 1, graph position, node)
     held: list[tuple[int, fx.Node]] = []  # gradient waits not yet eligible, by their collective's issue number
