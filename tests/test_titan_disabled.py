@@ -95,7 +95,10 @@ def test_a_dead_or_hung_rank_ends_the_job(tmp_path):
 
 def strike_a_rank(folder: Path, fault: str) -> None:
     timeout_s = 8
+    # The standard FSDP2 trainer with its codec eager: GIFT's reduce-scatters in every step and
+    # training within seconds (graph_trainer would spend a minute compiling before the fault).
     command = [sys.executable, "-m", "gift_compile.titan_integration.launcher", str(JOB), "--dump_folder", str(folder),
+               "--launch.config", "llama3_debug_standard", "--gift.no-compile_codec",
                "--training.steps", "200", "--metrics.log_freq", "1", "--comm.train_timeout_seconds", str(timeout_s)]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
