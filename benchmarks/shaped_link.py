@@ -65,10 +65,10 @@ VARIANTS = {
 }
 # graph_trainer's FSDP bucketing/prefetch pass switched off (as it was on CPU before the
 # ``cpu_roofline`` shim): all-gathers one per parameter, each waited where it is issued.
+# (Names spelled out: this file runs without torch until it launches a job; they are
+# cpu_support.cpu_disabled_graph_passes() plus cpu_support.FSDP_BUCKETING_PASS.)
 UNBUCKETED = ["--compile.disable_passes", "selective_activation_remat_pass,joint_transformer_block_bucketing_reordering_pass"]
-VARIANTS["fp32_unbucketed"] = [*VARIANTS["fp32"], *UNBUCKETED]
-VARIANTS["fp8_unbucketed"] = [*VARIANTS["fp8"], *UNBUCKETED]
-VARIANTS["gift_unbucketed"] = [*VARIANTS["gift"], *UNBUCKETED]
+VARIANTS.update({f"{name}_unbucketed": [*VARIANTS[name], *UNBUCKETED] for name in ("fp32", "fp8", "gift")})
 VARIANTS["gift_bf16_stats"] = [*VARIANTS["gift"], "--gift.stats_dtype", "bf16"]
 VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", "bf16"]
 DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]

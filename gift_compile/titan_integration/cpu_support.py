@@ -181,6 +181,10 @@ def apply_cpu_support() -> list[str]:
     return applied
 
 
+FSDP_BUCKETING_PASS = "joint_transformer_block_bucketing_reordering_pass"
+"""graph_trainer's FSDP bucketing/prefetch pass (runs on CPU through the ``cpu_roofline`` shim)."""
+
+
 def cpu_disabled_graph_passes() -> list[str]:
     """graph_trainer passes that fail without a GPU (empty when CUDA is available)."""
     if torch.cuda.is_available():
@@ -190,4 +194,4 @@ def cpu_disabled_graph_passes() -> list[str]:
     return ["selective_activation_remat_pass"]
 
 
-__all__ = ["APPLIED", "CPU_DEVICE_MODULE", "apply_cpu_support", "cpu_disabled_graph_passes", "needed_shims"]
+__all__ = ["APPLIED", "CPU_DEVICE_MODULE", "FSDP_BUCKETING_PASS", "apply_cpu_support", "cpu_disabled_graph_passes", "needed_shims"]

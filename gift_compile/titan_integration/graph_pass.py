@@ -67,8 +67,6 @@ class GraphAccounting:
     """Collectives the final graph issues per step (parameter all-gathers, gradients, statistics)."""
     collective_calls_traced: int = 0
     """The same in the graph as traced (what the stock pipeline runs)."""
-    prefetched_all_gathers: int = 0
-    """Parameter all-gathers of the final graph issued before an earlier one's wait (FSDP prefetch)."""
 
 
 @dataclass
@@ -238,9 +236,8 @@ def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str
         ctx.accounting.overlapped = overlap_gradient_collectives(gm.graph)
         log.info("GIFT overlap: %d gradient waits now come after a later gradient collective's issue", ctx.accounting.overlapped)
     ctx.accounting.collective_calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
-    ctx.accounting.prefetched_all_gathers = prefetched_all_gathers(gm.graph)
     log.info("GIFT final graph: %d collectives per step, %d parameter all-gathers prefetched",
-             ctx.accounting.collective_calls, ctx.accounting.prefetched_all_gathers)
+             ctx.accounting.collective_calls, prefetched_all_gathers(gm.graph))
     timing.instrument(gm.graph, namespace)
     gm.recompile()
     return gm
