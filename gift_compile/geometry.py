@@ -205,15 +205,18 @@ def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: tor
     # large the sketch overflowed before ``scale`` adapted) gives T = I for this step, keeps the
     # basis, and shrinks the scale. The gradient then travels as Euclidean FP8: a NaN input's
     # gradient is NaN there too (visible, never hidden), a huge one's is sent finite.
-    finite = torch.isfinite(sketch).all()
-    sketch = torch.where(torch.isfinite(sketch), sketch, torch.zeros_like(sketch))
-    unscale = scale.double().square().reciprocal()  # exact: a power of two
-    tokens = sketch[-1].clamp_min(1.0).double()
+    # (Written for few ops: with d = 256 the op's time is mostly per-op overhead.)
+    is_finite = torch.isfinite(sketch)
+    finite = is_finite.all()
+    sketch = sketch.where(is_finite, 0.0)
+    scale64, basis64 = scale.double(), basis.double()
+    unscale = scale64.square().reciprocal()  # exact: a power of two
+    tokens = sketch[-1].double().clamp_min(1.0)
     w = sketch[: d * r].reshape(d, r)  # s^2 W: the same digits as W
-    rayleigh = (basis.T @ w).double() * unscale / tokens
+    rayleigh = (basis.T @ w).double() * (unscale / tokens)
     values, vectors = torch.linalg.eigh((rayleigh + rayleigh.T) / 2)
     values = values.flip(0).clamp_min(0.0)
-    ritz = basis.double() @ vectors.flip(1)
+    ritz = basis64 @ vectors.flip(1)
     trace = sketch[-2].double() * unscale / tokens
     shift = damping.double() * (trace / d).clamp_min(1e-30)
     damped = values + shift
@@ -222,14 +225,13 @@ def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: tor
         iso, iso_inv = rest.rsqrt(), rest.sqrt()
     else:  # full rank: no isotropic rest
         iso = iso_inv = torch.zeros((), dtype=torch.float64, device=sketch.device)
-    next_basis = torch.where(finite, torch.linalg.qr(w.double()).Q, basis.double())
-    factors = [damped.rsqrt() - iso, damped.sqrt() - iso_inv, iso, iso_inv]
-    identity = [torch.zeros_like(factors[0]), torch.zeros_like(factors[1]), torch.ones_like(iso), torch.ones_like(iso)]
-    factors = [torch.where(finite, f, i) for f, i in zip(factors, identity)]
+    next_basis = torch.where(finite, torch.linalg.qr(w.double()).Q, basis64)
+    factors = [torch.where(finite, damped.rsqrt() - iso, 0.0), torch.where(finite, damped.sqrt() - iso_inv, 0.0),
+               torch.where(finite, iso, 1.0), torch.where(finite, iso_inv, 1.0)]
     mean_square = trace / d  # of one input element, unscaled: the next scale brings it to ~1
     exponent = (-0.5 * torch.log2(mean_square)).round().clamp(*_SCALE_EXPONENT)
-    rescaled = torch.where(mean_square > 0, torch.exp2(exponent), scale.double())
-    next_scale = torch.where(finite, rescaled, (scale.double() * SKETCH_SCALE_SHRINK).clamp_min(2.0**_SCALE_EXPONENT[0]))
+    rescaled = torch.where(mean_square > 0, torch.exp2(exponent), scale64)
+    next_scale = torch.where(finite, rescaled, (scale64 * SKETCH_SCALE_SHRINK).clamp_min(2.0**_SCALE_EXPONENT[0]))
     return [t.float().contiguous() for t in [ritz, *factors, next_basis, next_scale]]
 
 
