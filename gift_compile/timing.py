@@ -70,7 +70,8 @@ _TIMERS: dict[str, StepTimer] = {}
 
 def timer(namespace: str) -> StepTimer:
     """The step timer of a GIFT namespace (created on first use)."""
-    return _TIMERS.setdefault(namespace, StepTimer())
+    found = _TIMERS.get(namespace)  # (not setdefault: it would build a StepTimer at every tick)
+    return found if found is not None else _TIMERS.setdefault(namespace, StepTimer())
 
 
 def tick(namespace: str, kind: str | None, device: torch.device | None = None) -> None:
