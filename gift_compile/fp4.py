@@ -29,8 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gift_compile.numerics import fp8_bits, fp8_values
-
 E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
 _AMAX_FLOOR = 1e-30  # as numerics._AMAX_FLOOR: an all-zero tensor encodes as zeros, not 0/0
@@ -131,9 +129,10 @@ def encode(chunks: torch.Tensor, fmt: Fp4Format) -> tuple[torch.Tensor, torch.Te
     block_amax = blocks.abs().amax(dim=-1)
     if fmt.tensor_scale:
         tensor_scale = blocks.abs().amax().clamp_min(_AMAX_FLOOR) / (E2M1_MAX * _E4M3_MAX)
-        scale_bytes = fp8_bits((block_amax / (E2M1_MAX * tensor_scale)).clamp_max(_E4M3_MAX), "e4m3")
+        block_scales = (block_amax / (E2M1_MAX * tensor_scale)).clamp_max(_E4M3_MAX).to(torch.float8_e4m3fn)
+        scale_bytes = block_scales.view(torch.uint8)
         tail = tensor_scale.reshape(1).expand(n).contiguous().view(torch.uint8).reshape(n, 4)
-        scales = fp8_values(scale_bytes, "e4m3") * tensor_scale
+        scales = block_scales.float() * tensor_scale
     else:
         # A NaN/Inf anywhere poisons every block of the sender (NVFP4 does it by its tensor scale).
         scale_bytes = torch.where(torch.isfinite(block_amax).all(), _mx_scale_bytes(block_amax), 255)
@@ -157,7 +156,7 @@ def decode(messages: torch.Tensor, rows: int, cols: int, fmt: Fp4Format) -> torc
     if fmt.tensor_scale:
         # A copy, never a view: the tensor scale's offset need not be a multiple of 4.
         tensor_scale = messages[:, numel // 2 + numel // fmt.block :].clone(memory_format=torch.contiguous_format).view(torch.float32)
-        scales = fp8_values(scale_bytes, "e4m3") * tensor_scale
+        scales = scale_bytes.view(torch.float8_e4m3fn).float() * tensor_scale
     else:
         scales = _mx_scales(scale_bytes)
     values = e2m1_values(codes).reshape(n, -1, fmt.block) * scales[..., None]
