@@ -41,10 +41,11 @@ def fp8_max(fmt: str) -> float:
 
 
 # FP8's bits by integer arithmetic, for CPUs. Inductor's CPU code casts to and from float8 one
-# element at a time, about 10 ns per element for an encode and its decode; these are vector
-# integer and float ops that it fuses into the encoder's kernel (the compiled codec 2x faster,
-# docs/design.md §9). They give torch's cast's bytes and values exactly, every code and every
-# rounding tie (tests/test_numerics.py). Other devices cast natively, in hardware where they can.
+# element at a time (and bit-casts the result through a scalar loop), about 10 ns per element for
+# an encode and its decode; these are plain vector integer and float ops that it fuses into the
+# encoder's kernel (the compiled codec 2x faster: docs/design.md §12). They give torch's cast's
+# bytes and values exactly, every code and every rounding tie (tests/test_numerics.py). Other
+# devices cast natively, in hardware where they have FP8.
 _FP8_FIELDS = {"e4m3": (3, 7), "e5m2": (2, 15)}
 """Mantissa bits and exponent bias of each format."""
 _FP32_EXPONENT = 0x7F800000  # fp32's exponent field: the bits of Inf; larger magnitudes are NaN
