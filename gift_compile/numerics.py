@@ -40,54 +40,6 @@ def fp8_max(fmt: str) -> float:
     return torch.finfo(fp8_dtype(fmt)).max
 
 
-# FP8's bits by integer arithmetic, for CPUs. Inductor's CPU code casts to and from float8 one
-# element at a time (and bit-casts the result through a scalar loop), about 10 ns per element for
-# an encode and its decode; these are plain vector integer and float ops that it fuses into the
-# encoder's kernel (the compiled codec 2x faster: docs/design.md §12). They give torch's cast's
-# bytes and values exactly, every code and every rounding tie (tests/test_numerics.py). Other
-# devices cast natively, in hardware where they have FP8.
-_FP8_FIELDS = {"e4m3": (3, 7), "e5m2": (2, 15)}
-"""Mantissa bits and exponent bias of each format."""
-_FP32_EXPONENT = 0x7F800000  # fp32's exponent field: the bits of Inf; larger magnitudes are NaN
-
-
-def fp8_bits(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The FP8 bits (``uint8``) of fp32 ``x`` within the format's range (or NaN): ``x.to(fp8).view(uint8)``."""
-    if x.device.type != "cpu":
-        return x.to(fp8_dtype(fmt)).view(torch.uint8)
-    mantissa, bias = _FP8_FIELDS[fmt]
-    drop = 23 - mantissa  # fp32 mantissa bits the format does not keep
-    bits = x.view(torch.int32)
-    magnitude = bits & 0x7FFFFFFF
-    # Normal numbers: round fp32's mantissa to the format's bits, ties to even (a carry moves the
-    # exponent up, as it should), then rebias the exponent.
-    normal = ((magnitude + ((1 << (drop - 1)) - 1) + ((magnitude >> drop) & 1)) >> drop) - ((127 - bias) << mantissa)
-    # Subnormals: multiples of the smallest step 2^(1 - bias - mantissa), round() ties to even; a
-    # count of 2^mantissa is the smallest normal's code.
-    subnormal = torch.round(x.abs() * 2.0 ** (bias - 1 + mantissa)).to(torch.int32)
-    smallest_normal = (127 + 1 - bias) << 23  # the fp32 bits of 2^(1 - bias)
-    code = torch.where(magnitude < smallest_normal, subnormal, normal)
-    code = torch.where(magnitude > _FP32_EXPONENT, 0x7F, code)  # NaN: torch's NaN code
-    return (code | ((bits >> 24) & 0x80)).to(torch.uint8)
-
-
-def fp8_values(payload: torch.Tensor, fmt: str) -> torch.Tensor:
-    """fp32 values of FP8 bits (``uint8``): ``payload.view(fp8).float()``."""
-    if payload.device.type != "cpu":
-        return payload.view(fp8_dtype(fmt)).float()
-    mantissa, bias = _FP8_FIELDS[fmt]
-    code = payload.to(torch.int32)
-    magnitude = code & 0x7F
-    normal = ((magnitude << (23 - mantissa)) + ((127 - bias) << 23)).view(torch.float32)
-    value = torch.where(magnitude < (1 << mantissa), magnitude.float() * 2.0 ** (1 - bias - mantissa), normal)
-    if fmt == "e4m3":  # e4m3fn: no Inf, one NaN code per sign
-        value = torch.where(magnitude == 0x7F, float("nan"), value)
-    else:  # e5m2: IEEE-style, exponent field all ones
-        inf = (0x1F << mantissa)
-        value = torch.where(magnitude == inf, float("inf"), torch.where(magnitude > inf, float("nan"), value))
-    return torch.where(code >= 0x80, -value, value)
-
-
 def block_amax(x: torch.Tensor, blocks: int = 1) -> torch.Tensor:
     """Per-block ``max |x|`` in fp32 over ``x`` split evenly into ``blocks`` chunks."""
     return x.float().reshape(blocks, -1).abs().amax(dim=1)
@@ -111,14 +63,14 @@ def quantize(
     scaled = x.float().reshape(blocks, -1) / scales[:, None]
     # The clamp matters for e5m2, whose cast overflows to Inf instead of saturating.
     # NaN passes through clamp, so non-finite inputs stay visible.
-    encoded = fp8_bits(scaled.clamp_min(-fmax).clamp_max(fmax), fmt)
-    return encoded.reshape(x.shape), scales
+    encoded = scaled.clamp_min(-fmax).clamp_max(fmax).to(fp8_dtype(fmt))
+    return encoded.view(torch.uint8).reshape(x.shape), scales
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
     """Decode ``quantize``'s output back to fp32 (same shape as ``payload``)."""
     blocks = scales.numel()
-    decoded = fp8_values(payload, fmt).reshape(blocks, -1) * scales.reshape(blocks, 1)
+    decoded = payload.view(fp8_dtype(fmt)).float().reshape(blocks, -1) * scales.reshape(blocks, 1)
     return decoded.reshape(payload.shape)
 
 
@@ -195,7 +147,7 @@ class BoundaryHits(NamedTuple):
 
 
 def boundary_hits(x: torch.Tensor, payload: torch.Tensor, fmt: str) -> BoundaryHits:
-    decoded_unscaled = fp8_values(payload, fmt)
+    decoded_unscaled = payload.view(fp8_dtype(fmt)).float()
     return BoundaryHits(
         saturated=(decoded_unscaled.abs() >= fp8_max(fmt)).sum(),
         flushed=((decoded_unscaled == 0) & (x != 0)).sum(),
