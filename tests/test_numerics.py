@@ -16,8 +16,10 @@ from gift_compile.numerics import (
     dequantize,
     fidelity,
     fp4_e2m1_round_trip,
+    FP8_DTYPES,
     fp8_max,
     fp8_round_trip,
+    fp8_values,
     quantize,
 )
 
@@ -37,6 +39,24 @@ def test_round_trip_error_bound(fmt, blocks):
     bound = torch.maximum(x.abs() * 2.0 ** -(MANTISSA_BITS[fmt] + 1), HALF_MIN_SUBNORMAL[fmt] * scale_per_element)
     assert bool(((back - x).abs() <= bound * (1 + 1e-6)).all())
     assert fidelity(back, x).rel_l2 <= 2.0 ** -(MANTISSA_BITS[fmt] + 1)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_values_are_torchs_cast(fmt, compiled):
+    # On CPU the codec decodes FP8 bits through fp16 (numerics.fp8_values); torch's own cast is
+    # the definition: for every one of the 256 codes, times scales that are powers of two, not,
+    # tiny (products fall to fp32 subnormals) and huge (the largest an amax can give), the same
+    # fp32 bits (signed zeros too) or NaN.
+    dtype = FP8_DTYPES[fmt]
+    decode = torch.compile(fp8_values) if compiled else fp8_values
+    codes = torch.arange(256, dtype=torch.uint8)
+    for scale in (1.0, 0.75, 3.1e-3, 1e-41 / fp8_max(fmt), torch.finfo(torch.float32).max / fp8_max(fmt)):
+        scales = torch.tensor([[scale]])
+        got, expected = decode(codes[None], fmt, scales)[0], codes.view(dtype).float() * scales[0]
+        assert torch.equal(got.isnan(), expected.isnan()), scale
+        finite = ~expected.isnan()
+        assert torch.equal(got[finite].view(torch.int32), expected[finite].view(torch.int32)), scale
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
