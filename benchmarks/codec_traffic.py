@@ -20,6 +20,7 @@ the rest: those passes are inherent to the algorithm. ``--kernels`` lists every 
 
     python benchmarks/codec_traffic.py            # 2048 x 2048, rank 32
     python benchmarks/codec_traffic.py --kernels  # and each path's kernels
+    python benchmarks/codec_traffic.py --shape 768 256 --world 1  # the codec's time alone
 """
 
 from __future__ import annotations
@@ -133,9 +134,12 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=2, default=(2048, 2048), metavar=("D_OUT", "D_IN"))
     parser.add_argument("--rank", type=int, default=32, help="the whitening's rank (low_rank)")
     parser.add_argument("--kernels", action="store_true", help="list each path's kernels (those over 1/16 B per element)")
+    parser.add_argument("--world", type=int, default=2,
+                        help="gloo ranks (1: the codec alone, no peer to wait for: the steadiest call ms)")
     args = parser.parse_args()
-    print(f"compiling {len(PATHS)} codec paths for a {args.shape[0]} x {args.shape[1]} gradient on 2 gloo ranks ...", flush=True)
-    rows = run_on_ranks(count_all, 2, tuple(args.shape), args.rank)[0]
+    print(f"compiling {len(PATHS)} codec paths for a {args.shape[0]} x {args.shape[1]} gradient on {args.world} gloo ranks ...",
+          flush=True)
+    rows = run_on_ranks(count_all, args.world, tuple(args.shape), args.rank)[0]
     table = []
     for path, row in zip(PATHS, rows):
         per = {k: v / row["numel"] for k, v in row["split"].items()}
