@@ -14,6 +14,10 @@ feedback, meter and fallback), and is scored against the exact average:
   error feedback exists for), as a ratio to Euclidean FP8 with error feedback;
 * the worst 10-step window of a selected layer's one-step ratio (from step 50 on: after the
   meter and fallback have had their say);
+* for each whitened codec beside its route's Euclidean FP8 with the same error feedback (what
+  its live meter compares with), the worst 25-step window from step 25 on, one-step and
+  accumulated over the window (``TARGET_WINDOW``), and its one-step error against one-stage
+  FP8 (the reduce-scatter route's: each rank's own round trip, summed exactly);
 * eager seconds per step of the codec (the compiled costs are in pass_overhead.py) and
   bytes per rank per step (gradient payload + statistics).
 
@@ -60,6 +64,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data"
 SELECTED_TYPES = ("q", "k", "v", "o", "qkv", "proj")  # the attention projections (Llama; GPT-2's fused qkv and proj)
 WINDOW = 10
+TARGET_WINDOW = 25
+"""Issue 22's window: no whitened layer worse than its route's Euclidean FP8 (same error
+feedback) in any 25-step window after step 25, one step (mean ratio) and accumulated (the
+error of the window's summed updates). The windows run back to back from step 25."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +324,8 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
     losses = []
     metered = [i for i, c in enumerate(all_codecs) if c.whitened and not c.hadamard and meter_twin(c) in [d.name for d in all_codecs]]
     window_errors: dict[tuple[int, str], torch.Tensor] = {}  # (codec, layer) -> error summed over the meter's window
+    target_errors: dict[tuple[int, str], torch.Tensor] = {}  # (codec, layer) -> error summed over this TARGET_WINDOW
+    target_windows = []  # per complete TARGET_WINDOW: (first step, squared error of its summed updates (codecs, layers))
     meter_log = []  # per reading step: (step, readings (codec, layer, one-step, accumulated), truth squares)
     start = time.time()
     for step in range(steps):
@@ -347,6 +357,8 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
                 sums[key] = got if sums[key] is None else sums[key] + got
                 if metered and in_meter_window(step, all_codecs[metered[0]].config):
                     window_errors[i, fqn] = window_errors.get((i, fqn), 0) + (got - exact[rows])
+                if step >= TARGET_WINDOW:
+                    target_errors[i, fqn] = target_errors.get((i, fqn), 0) + (got - exact[rows])
         for fqn in names:
             exact = layers[fqn].weight.grad.double()[owned_rows(rank, world, layers[fqn].weight.shape[0])]
             exact_sums[fqn] = exact if exact_sums[fqn] is None else exact_sums[fqn] + exact
@@ -362,6 +374,12 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
                         for i in metered for fqn in names
                         for counter in [reducers[all_codecs[i].name].runtime.counters[fqn]]}
             meter_log.append((step, readings, squares[..., 0].clone(), window))
+        if step >= TARGET_WINDOW and (step + 1) % TARGET_WINDOW == 0:
+            window = torch.stack([torch.stack([target_errors[i, fqn].square().sum() for fqn in names])
+                                  for i in range(len(all_codecs))])
+            dist.all_reduce(window)
+            target_errors.clear()
+            target_windows.append((step + 1 - TARGET_WINDOW, window))
         optimizer.step()
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
@@ -386,7 +404,7 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         "codecs": [c.name for c in all_codecs], "collectives": [c.collective for c in all_codecs], "layers": names,
         "step_errors": step_errors, "accumulated": (accumulated[..., 0] / accumulated[..., 1]).sqrt(),
         "seconds": {k: v / steps for k, v in seconds.items()}, "bytes": bytes_per_step, "fallbacks": fallbacks,
-        "losses": losses, "meter": meter_log, "dampings": dampings, "meter_twins": {all_codecs[i].name: meter_twin(all_codecs[i]) for i in metered},
+        "losses": losses, "meter": meter_log, "target_windows": target_windows, "dampings": dampings, "meter_twins": {all_codecs[i].name: meter_twin(all_codecs[i]) for i in metered},
     }
 
 
@@ -455,6 +473,38 @@ def meter_table(result: dict) -> tuple[list[str], list[list]]:
             cells += [f"{mean(m for m, _ in got):.3f} / {mean(t for _, t in got):.3f}", f"{mean(gaps):+.3f}",
                       f"{mean(abs(g) for g in gaps):.3f}", f"{mean((m > 1) == (t > 1) for m, t in got):.0%}"]
         rows.append([name, twin, len(pairs["one"]), *cells])
+    return headers, rows
+
+
+def targets_table(result: dict, first_step: int) -> tuple[list[str], list[list]]:
+    """Issue 22's targets, per whitened codec against what its live meter compares it with (its
+    route's Euclidean FP8, same error feedback), over every layer (all are whitened here): the
+    worst ``TARGET_WINDOW``-step window from step ``TARGET_WINDOW`` on, of the one-step ratio
+    (its mean over the window) and of the accumulated ratio (the error of the window's summed
+    updates), with how many (window, layer) pairs are above 1; and the mean one-step ratio to
+    one-stage FP8 (the reduce-scatter route's Euclidean FP8) and to the route's own."""
+    codecs_, layers = result["codecs"], result["layers"]
+    errors, windows = result["step_errors"], result["target_windows"]
+    one_stage = codecs_.index("Euclidean FP8")
+    headers = ["codec", "compared with", "windows x layers", "worst window: one-step (layer, from step)",
+               "above 1", "worst window: accumulated (layer, from step)", "above 1",
+               "one-step vs one-stage FP8 / the route's FP8 (mean, steps " + f"{first_step}+)"]
+    rows = []
+    for name, twin in result["meter_twins"].items():
+        i, k = codecs_.index(name), codecs_.index(twin)
+        cells = []
+        for kind in ("one", "acc"):
+            ratios = torch.stack([
+                (errors[start:start + TARGET_WINDOW, i] / errors[start:start + TARGET_WINDOW, k]).mean(dim=0) if kind == "one"
+                else (squared[i] / squared[k]).sqrt().float()
+                for start, squared in windows])  # (windows, layers)
+            w, j = divmod(int(ratios.argmax()), len(layers))
+            cells += [f"{ratios.max():.2f} ({layers[j]}, {windows[w][0]})", f"{int((ratios > 1).sum())}"]
+        base = "Euclidean FP8" if result["collectives"][i] == "reduce_scatter" else "all-reduce: Euclidean FP8"
+        later = errors[first_step:]
+        vs = [(later[:, i] / later[:, b]).mean().item() for b in (one_stage, codecs_.index(base))]
+        rows.append([name, twin, f"{len(windows)} x {len(layers)}", cells[0], cells[1], cells[2], cells[3],
+                     f"{vs[0]:.3f} / {vs[1]:.3f}"])
     return headers, rows
 
 
@@ -547,6 +597,13 @@ def main() -> None:
             lines += ["The live meter (the library's `error_vs_fp8` / `accumulated_vs_fp8` of every layer at every "
                       "reading) beside the truth measured here from the exact average:", "", meter, ""]
             print(meter + "\n", flush=True)
+        if results[name]["meter_twins"] and results[name]["target_windows"]:
+            headers, rows = targets_table(results[name], first_step)
+            targets = tabulate(rows, headers=headers, tablefmt="github")
+            lines += [f"Each whitened codec against its route's Euclidean FP8 with the same error feedback, every layer, "
+                      f"{TARGET_WINDOW}-step windows back to back from step {TARGET_WINDOW} (issue 22's target: none above 1):",
+                      "", targets, ""]
+            print(targets + "\n", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = args.results or ("fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}")
     command = "python benchmarks/fidelity_loop.py " + " ".join(sys.argv[1:])
