@@ -398,12 +398,16 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         else:  # stateless: what the same wire sends for every layer
             bytes_per_step[c.name] = sum(bytes_sent(tuple(m.weight.shape), world, c.wire, c.collective) for m in layers.values())
     fallbacks = {c.name: sum(k.fallbacks for k in reducers[c.name].runtime.counters.values()) for c in all_codecs if c.whitened}
+    dropped = torch.tensor([sum(k.residuals_dropped for k in reducers[c.name].runtime.counters.values()) if c.stateful else 0
+                            for c in all_codecs], dtype=torch.float64)
+    dist.all_reduce(dropped)  # comm.keeps_residual's drops, every rank's
     dampings = {c.name: {fqn: reducers[c.name].runtime.state.layer(fqn).damping for fqn in names}
                 for c in all_codecs if c.whitened and c.config.adaptive_damping}
     return {
         "codecs": [c.name for c in all_codecs], "collectives": [c.collective for c in all_codecs], "layers": names,
         "step_errors": step_errors, "accumulated": (accumulated[..., 0] / accumulated[..., 1]).sqrt(),
         "seconds": {k: v / steps for k, v in seconds.items()}, "bytes": bytes_per_step, "fallbacks": fallbacks,
+        "residuals_dropped": {c.name: int(d) for c, d in zip(all_codecs, dropped) if c.stateful},
         "losses": losses, "meter": meter_log, "target_windows": target_windows, "dampings": dampings, "meter_twins": {all_codecs[i].name: meter_twin(all_codecs[i]) for i in metered},
     }
 
@@ -580,6 +584,7 @@ def main() -> None:
         headers, rows = summarize(results[name], first_step)
         table = tabulate(rows, headers=headers, tablefmt="github")
         fallbacks = ", ".join(f"{k}: {v}" for k, v in results[name]["fallbacks"].items() if v)
+        dropped = ", ".join(f"{k}: {v}" for k, v in results[name]["residuals_dropped"].items() if v)
         dampings = []
         for codec, final in results[name]["dampings"].items():  # adaptive_damping: where each layer type ended
             by_type = {t: sorted(d for fqn, d in final.items() if layer_type(fqn) == t) for t in TYPE_ORDER}
@@ -589,8 +594,10 @@ def main() -> None:
                   f"{args.world} ranks x {args.tokens} tokens per step, {args.steps} steps (AdamW lr {args.lr}, exact-gradient training; "
                   f"loss {results[name]['losses'][0]:.2f} -> {results[name]['losses'][-1]:.2f}); one-step ratios averaged over steps "
                   f"{first_step}..{args.steps - 1}; {time.time() - started:.0f} s.", "", table, "",
-                  f"Fallbacks taken: {fallbacks or 'none'}.", "", *[line + "\n" for line in dampings]]
-        print("\n" + table + f"\nfallbacks: {fallbacks or 'none'}\n" + "\n".join(dampings), flush=True)
+                  f"Fallbacks taken: {fallbacks or 'none'}. Residuals dropped by the residual guard (all ranks, layers and "
+                  f"steps): {dropped or 'none'}.", "", *[line + "\n" for line in dampings]]
+        print("\n" + table + f"\nfallbacks: {fallbacks or 'none'}; residuals dropped: {dropped or 'none'}\n" + "\n".join(dampings),
+              flush=True)
         if results[name]["meter"]:
             headers, rows = meter_table(results[name])
             meter = tabulate(rows, headers=headers, tablefmt="github")
@@ -604,12 +611,13 @@ def main() -> None:
                       f"{TARGET_WINDOW}-step windows back to back from step {TARGET_WINDOW} (issue 22's target: none above 1):",
                       "", targets, ""]
             print(targets + "\n", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = args.results or ("fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}")
-    command = "python benchmarks/fidelity_loop.py " + " ".join(sys.argv[1:])
-    (RESULTS / f"{stem}.md").write_text(f"# In-loop fidelity (`{command}`)\n\n" + "\n".join(lines))
-    plot(results, first_step, RESULTS / f"{stem}.png")
-    print(f"wrote {RESULTS / stem}.md and {stem}.png")
+        # Written after every setup: a long run that is stopped keeps the setups it finished.
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        stem = args.results or ("fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}")
+        command = "python benchmarks/fidelity_loop.py " + " ".join(sys.argv[1:])
+        (RESULTS / f"{stem}.md").write_text(f"# In-loop fidelity (`{command}`)\n\n" + "\n".join(lines))
+        plot(results, first_step, RESULTS / f"{stem}.png")
+        print(f"wrote {RESULTS / stem}.md and {stem}.png", flush=True)
 
 
 if __name__ == "__main__":

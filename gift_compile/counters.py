@@ -15,6 +15,7 @@ from tabulate import tabulate
 from gift_compile.comm import STATS
 
 _ERROR, _PAYLOAD = STATS.index("error_sq"), STATS.index("payload_sq")
+_SUMMED = [STATS.index(name) for name in ("saturated", "flushed", "residuals_dropped")]
 
 
 @dataclass
@@ -44,8 +45,9 @@ class LayerCounters:
     fallbacks: int = 0
     restarts_reported: int = 0
     """Restarts (see ``as_dict``'s ``restarts``) already logged."""
-    # float64 [saturated, flushed] summed over steps, and [||err||^2, ||payload||^2] of the last
-    # step in the gradient's own coordinates, kept on the device that computed them.
+    # float64 [saturated, flushed, residuals dropped] summed over steps, and [||err||^2,
+    # ||payload||^2] of the last step in the gradient's own coordinates, kept on the device
+    # that computed them.
     _hits: torch.Tensor | None = field(default=None, repr=False)
     _last_squares: torch.Tensor | None = field(default=None, repr=False)
     _restarts: torch.Tensor | None = field(default=None, repr=False)
@@ -60,8 +62,8 @@ class LayerCounters:
         """Count one step whose encoding reported ``stats`` (``comm.Reduction.stats``)."""
         stats = stats.detach()
         if self._hits is None:
-            self._hits = torch.zeros(2, dtype=torch.float64, device=stats.device)
-        self._hits.add_(stats[:2])
+            self._hits = torch.zeros(len(_SUMMED), dtype=torch.float64, device=stats.device)
+        self._hits.add_(stats[_SUMMED])
         self._last_squares = stats[[_ERROR, _PAYLOAD]].double()  # a copy: the graph may reuse the stats buffer
         self.steps += 1
         self.bytes_sent += bytes_sent
@@ -69,10 +71,10 @@ class LayerCounters:
 
     def as_dict(self) -> dict:
         """Every counter, with the device-side ones read back once."""
-        saturated = flushed = 0.0
+        saturated = flushed = dropped = 0.0
         rel_error = None  # ||round-trip error|| / ||payload|| of the last step, in the gradient's coordinates
         if self._hits is not None:
-            saturated, flushed = self._hits.tolist()
+            saturated, flushed, dropped = self._hits.tolist()
             err_sq, payload_sq = self._last_squares.tolist()
             rel_error = (err_sq / payload_sq) ** 0.5 if payload_sq > 0 else 0.0
         return {
@@ -82,6 +84,7 @@ class LayerCounters:
             "error_vs_fp8": self.error_vs_fp8,
             "accumulated_vs_fp8": self.accumulated_vs_fp8, "damping": self.damping, "fallback_until": self.fallback_until, "fallbacks": self.fallbacks,
             "restarts": 0 if self._restarts is None else int(self._restarts),
+            "residuals_dropped": int(dropped),
         }
 
     @property
@@ -93,6 +96,11 @@ class LayerCounters:
     def flushed(self) -> int:
         """Nonzero elements that became zero on the wire."""
         return self.as_dict()["flushed"]
+
+    @property
+    def residuals_dropped(self) -> int:
+        """Error-feedback residuals the residual guard did not send (``comm.keeps_residual``)."""
+        return self.as_dict()["residuals_dropped"]
 
     @property
     def last_rel_error(self) -> float | None:
@@ -108,10 +116,10 @@ def counters_table(counters: dict[str, LayerCounters]) -> str:
         rows.append((
             fqn, path, d["steps"], d["bytes_sent"], d["stats_bytes"], d["saturated"], d["flushed"],
             _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), _fmt(d["accumulated_vs_fp8"], ".2f"), _fmt(d["damping"], ".3g"),
-            d["fallbacks"], d["restarts"],
+            d["fallbacks"], d["restarts"], d["residuals_dropped"],
         ))
     headers = ["layer", "path", "steps", "bytes sent", "stats bytes", "saturated", "flushed",
-               "last rel. error", "error vs fp8", "accumulated vs fp8", "damping", "fallbacks", "restarts"]
+               "last rel. error", "error vs fp8", "accumulated vs fp8", "damping", "fallbacks", "restarts", "residuals dropped"]
     return tabulate(rows, headers=headers)
 
 

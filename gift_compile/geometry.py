@@ -94,6 +94,16 @@ class Whitening:
     def unwhiten(self, u: torch.Tensor) -> torch.Tensor:
         return _apply(self.layout, self.tensors, u, inverse=True)
 
+    def squared_norm(self, g: torch.Tensor) -> torch.Tensor:
+        """``|G T|^2`` (Frobenius, 0-d), without forming ``G T`` in the low-rank layout: there
+        ``|G T|^2 = s^2 |G|^2 + sum_k (2 s c_k + c_k^2) |G b_k|^2`` (``T = s I + B diag(c) B^T``,
+        ``B`` orthonormal), one ``d_out x r`` product instead of a whitening's two."""
+        if self.layout != "lowrank":
+            return self.whiten(g).square().sum()
+        scale, coef = self.tensors["scale"], self.tensors["coef"]
+        projected = (g @ self.tensors["basis"]).square().sum(dim=0)
+        return scale * scale * g.square().sum() + ((2 * scale + coef) * coef * projected).sum()
+
     def matrix(self, inverse: bool = False) -> torch.Tensor:
         """The dense ``T`` (or ``T^-1``); for tests and small ``d`` only."""
         d = self.dim

@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from gift_compile import policy
 from gift_compile.collectives import WireFormat, resolve_group, round_trip, shard_round_trip
-from gift_compile.comm import finite_or_zero
+from gift_compile.comm import finite_or_zero, keeps_residual
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening
 from gift_compile.static_compile import static_compile
@@ -257,7 +257,7 @@ def _first_stage(g: torch.Tensor, residual: torch.Tensor, sketch: torch.Tensor, 
                  whitening: Whitening | None = None):
     """This rank's shadow of the route's first stage, Euclidean or (``whitening``) GIFT's:
     ``(its next shadow residual, c S G_r, c S (sent - G_r))``."""
-    payload = g + residual
+    payload = _guarded_payload(g, residual, whitening)
     sent = _in_coordinates(whitening, lambda u: round_trip(u, route.wire, world, route.group), payload)
     next_residual = finite_or_zero(payload - sent) if route.error_feedback else residual
     return next_residual, c * (sketch @ g), c * (sketch @ (sent - g))
@@ -270,10 +270,19 @@ def _second_stage(delivered: torch.Tensor, gather_error: torch.Tensor, residual:
     encoded, module docstring): ``(its next shadow gather residual, the error of its rows)``.
     ``rows``: the gradient's."""
     shard = F.pad(delivered, (0, 0, 0, residual.shape[0] - delivered.shape[0])) + gather_error.float()
-    payload = shard + residual
+    payload = _guarded_payload(shard, residual, whitening)
     sent = _in_coordinates(whitening, lambda u: shard_round_trip(u, rows, route.group, route.wire), payload)
     next_residual = finite_or_zero(payload - sent) if route.gather_error_feedback else residual
     return next_residual, (sent - shard)[: delivered.shape[0]]
+
+
+def _guarded_payload(carrier: torch.Tensor, residual: torch.Tensor, whitening: Whitening | None) -> torch.Tensor:
+    """``carrier + residual``; for GIFT's shadow, ``carrier`` alone where ``comm``'s residual guard
+    would not send the residual (``comm.keeps_residual``, in whitened coordinates)."""
+    if whitening is None:
+        return carrier + residual
+    kept = keeps_residual(whitening.squared_norm(residual), whitening.squared_norm(carrier))
+    return torch.where(kept, carrier + residual, carrier)
 
 
 def _in_coordinates(whitening: Whitening | None, round_trip_fn, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ formulation, the oracle takes the other one, so agreement checks the derivation:
 * FP8 e4m3 and FP4 E2M1 rounding are written out from the formats' definitions (the library
   casts FP8, and rounds FP4 arithmetically on a different formula).
 
+One rule beyond Algorithm 1, from docs/design.md §8 (the residual guard): a whitened layer's
+residual is not sent in a step where it is larger (Frobenius norm, whitened coordinates) than
+what it would be added to (this step's whitened gradient; on the all-reduce route's second
+stage, the reduced shard); that step's new residual is its own rounding error alone.
+
 Every rank's data is visible here (``grads[r]``, ``inputs[r]``), so the reduction is a plain
 sum over a Python list.
 """
@@ -165,13 +170,19 @@ class OracleLayer:
         self.gather_residuals = [r @ self.t_inv @ t for r in self.gather_residuals]
         self.t, self.t_inv = t, t_inv
 
+    def carried(self, residual: torch.Tensor, onto: torch.Tensor) -> torch.Tensor:
+        """The residual guard (module docstring): the residual, or nothing where it outweighs ``onto``."""
+        if self.whiten and float(torch.linalg.norm(residual)) > float(torch.linalg.norm(onto)):
+            return torch.zeros_like(residual)
+        return residual
+
     def reduce(self, grads: list[torch.Tensor], inputs: list[torch.Tensor], op: str = "avg") -> torch.Tensor:
         """The reduced gradient (all ``d_out`` rows) of one step."""
         if self.whiten:
             self._new_transform(inputs)
         decoded = []
         for r, g in enumerate(grads):
-            sent = g.double() @ self.t + (self.residuals[r] if self.error_feedback else 0)
+            sent = g.double() @ self.t + (self.carried(self.residuals[r], g.double() @ self.t) if self.error_feedback else 0)
             decoded_r = self.quantize(sent)
             if self.error_feedback:
                 self.residuals[r] = sent - decoded_r
@@ -181,7 +192,7 @@ class OracleLayer:
             shards = []
             for k in range(self.world):
                 rows = rows_of(k, self.world, self.d_out)
-                shard = reduced[rows] + (self.gather_residuals[k] if self.error_feedback else 0)
+                shard = reduced[rows] + (self.carried(self.gather_residuals[k], reduced[rows]) if self.error_feedback else 0)
                 decoded_shard = self.quantize(shard) if shard.numel() else shard
                 if self.error_feedback:
                     self.gather_residuals[k] = shard - decoded_shard

@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from gift_compile import GiftConfig, GiftReducer, GiftReference, gift_backend, replicate
 from gift_compile.testing.ranks import run_on_ranks
-from gift_compile.runtime import LayerCounters
+from gift_compile.counters import LayerCounters, counters_table
 from models import MLP, LlamaBlock
 
 CONFIG = GiftConfig(layers=("fc2",), low_rank=4, meter_interval=5)
@@ -149,15 +149,16 @@ def test_a_single_rank_with_periodic_factors_matches_the_reference(tmp_path, ran
 def test_counters_sum_hits_and_keep_the_last_error():
     counter = LayerCounters("gift")
     assert counter.saturated == 0 and counter.last_rel_error is None
-    # [saturated, flushed, ||err||^2, ||sent||^2] on the wire, then the same in G's coordinates
-    stats = torch.tensor([3.0, 5.0, 9.0, 9.0, 4.0, 16.0])
+    # [saturated, flushed, ||err||^2, ||sent||^2] on the wire, then the same in G's coordinates,
+    # then the residuals the guard dropped
+    stats = torch.tensor([3.0, 5.0, 9.0, 9.0, 4.0, 16.0, 2.0])
     counter.add_step(stats, bytes_sent=100, stats_bytes=10)
-    stats.copy_(torch.tensor([1.0, 0.0, 9.0, 9.0, 1.0, 100.0]))  # the graph may reuse its stats buffer
+    stats.copy_(torch.tensor([1.0, 0.0, 9.0, 9.0, 1.0, 100.0, 1.0]))  # the graph may reuse its stats buffer
     assert counter.last_rel_error == 0.5
     counter.add_step(stats, bytes_sent=100, stats_bytes=10)
     assert (counter.steps, counter.bytes_sent, counter.stats_bytes, counter.saturated, counter.flushed) == (2, 200, 20, 4, 5)
-    assert counter.last_rel_error == 0.1
-    assert counter.as_dict()["flushed"] == 5
+    assert counter.last_rel_error == 0.1 and counter.residuals_dropped == 3
+    assert counter.as_dict()["flushed"] == 5 and "residuals dropped" in counters_table({"fc": counter})
 
 
 def test_warm_cache_in_a_new_process_still_matches(cold_run, cache_root):

@@ -3,12 +3,14 @@
 import functools
 import math
 from typing import NamedTuple
+from unittest import mock
 
 import oracle
 import pytest
 import torch
 from torch import nn
 
+from gift_compile import comm
 from gift_compile.config import GiftConfig
 from gift_compile.numerics import fp8_round_trip
 from gift_compile.agreement import GiftConfigMismatch
@@ -142,23 +144,28 @@ def meter_inputs(rank, step, d_in=METER_D_IN):
     return grad_out @ x, x
 
 
-def metered_steps(rank, world, config, collective, steps, inputs=meter_inputs, restore_after=None):
-    """GIFT's delivered gradients, and per step the counters' (one-step, accumulated) reading
-    and whether the layer is on its fallback. ``restore_after``: after that step, carry on in a
-    new reducer from a checkpoint of the state (its counters and meter window start afresh)."""
+def metered_steps(rank, world, config, collective, steps, inputs=meter_inputs, restore_after=None,
+                  residual_guard=comm.RESIDUAL_GUARD):
+    """GIFT's delivered gradients, and per step the counters' (one-step, accumulated) reading,
+    whether the layer is on its fallback and the residuals the guard has dropped so far.
+    ``restore_after``: after that step, carry on in a new reducer from a checkpoint of the state
+    (its counters and meter window start afresh). ``residual_guard``: ``comm.RESIDUAL_GUARD``
+    for this run (``math.inf``: none)."""
     reducer = GiftReducer(config)
-    delivered, readings, fallback = [], [], []
-    for step in range(steps):
-        if step - 1 == restore_after:
-            saved = reducer.state.state_dict()
-            reducer = GiftReducer(config)
-            reducer.state.load_state_dict(saved)
-        grad, x = inputs(rank, step)
-        delivered.append(reducer.reduce_layer("fc", grad, x, collective=collective).double())
-        counters = reducer.runtime.counters["fc"].as_dict()
-        readings.append((counters["error_vs_fp8"], counters["accumulated_vs_fp8"]))
-        fallback.append(counters["fallback_until"] is not None)
-    return delivered, readings, fallback
+    delivered, readings, fallback, dropped = [], [], [], []
+    with mock.patch.object(comm, "RESIDUAL_GUARD", residual_guard):
+        for step in range(steps):
+            if step - 1 == restore_after:
+                saved = reducer.state.state_dict()
+                reducer = GiftReducer(config)
+                reducer.state.load_state_dict(saved)
+            grad, x = inputs(rank, step)
+            delivered.append(reducer.reduce_layer("fc", grad, x, collective=collective).double())
+            counters = reducer.runtime.counters["fc"].as_dict()
+            readings.append((counters["error_vs_fp8"], counters["accumulated_vs_fp8"]))
+            fallback.append(counters["fallback_until"] is not None)
+            dropped.append(counters["residuals_dropped"])
+    return delivered, readings, fallback, dropped
 
 
 def euclidean_truth(world, config, collective, steps, inputs=meter_inputs):
@@ -185,14 +192,17 @@ class MeteredRun(NamedTuple):
     euclidean: list
     ratios: list
     """Per step: GIFT's delivered error over the Euclidean route's, both against the exact average."""
+    dropped: list
+    """Per step: residuals the guard has dropped so far, per rank."""
 
 
-def metered_against_the_truth(ranks, config, collective, steps, inputs=meter_inputs) -> MeteredRun:
-    (delivered0, readings, fallback), (delivered1, readings1, _) = ranks(2).run(metered_steps, config, collective, steps, inputs)
+def metered_against_the_truth(ranks, config, collective, steps, inputs=meter_inputs, residual_guard=comm.RESIDUAL_GUARD) -> MeteredRun:
+    (delivered0, readings, fallback, dropped0), (delivered1, readings1, _, dropped1) = ranks(2).run(
+        metered_steps, config, collective, steps, inputs, None, residual_guard)
     exact, euclidean = euclidean_truth(2, config, collective, steps, inputs)
     delivered = gathered([delivered0, delivered1], collective)
     ratios = [float((delivered[t] - exact[t]).norm() / (euclidean[t] - exact[t]).norm()) for t in range(steps)]
-    return MeteredRun(readings, readings1, fallback, delivered, exact, euclidean, ratios)
+    return MeteredRun(readings, readings1, fallback, delivered, exact, euclidean, ratios, list(zip(dropped0, dropped1)))
 
 
 def gathered(delivered_per_rank, collective):
@@ -251,7 +261,7 @@ def check_meter_against_truth(ranks, config, collective, counted, steps=40, inpu
     """Every reading after the first within 0.15 of the truth, the mean signed gap within 0.05
     (bounds: the test above), one verdict on every rank."""
     interval = config.meter_interval
-    readings, readings1, _, delivered, exact, euclidean, _ = metered_against_the_truth(ranks, config, collective, steps, inputs)
+    readings, readings1, _, delivered, exact, euclidean, _, _ = metered_against_the_truth(ranks, config, collective, steps, inputs)
     assert readings == readings1  # one verdict on every rank
     gaps = []
     for step in range(interval, steps, interval):  # readings after the first
@@ -355,7 +365,7 @@ def test_a_layer_whitening_hurts_falls_back_to_what_fp8_delivers(ranks, collecti
     the 8 loud directions, inside ``T``'s basis, which is sent exactly."""
     steps, config = 60, GiftConfig(layers=("fc",), error_feedback=error_feedback)
     inputs = functools.partial(classifier_inputs, d_in=d_in)
-    readings, readings1, fallback, delivered, exact, euclidean, ratios = metered_against_the_truth(
+    readings, readings1, fallback, delivered, exact, euclidean, ratios, _ = metered_against_the_truth(
         ranks, config, collective, steps, inputs)
     assert readings == readings1
     assert min(ratios[1:21]) > 1.15  # the case is real: whitening hurts this layer
@@ -394,10 +404,11 @@ def swapping_inputs(rank, step, d_in=METER_D_IN):
 
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
-def test_a_layer_error_feedback_makes_worse_than_fp8_falls_back_at_its_first_reading(ranks, collective):
-    """GIFT worse than FP8 only through error feedback (``swapping_inputs``), against the truth
-    (the library's delivered gradients and the float64 oracle's Euclidean route with the same
-    error feedback, both against the exact average), with the defaults but the damping.
+def test_without_the_residual_guard_diverging_error_feedback_falls_back_at_its_first_reading(ranks, collective):
+    """GIFT worse than FP8 only through error feedback (``swapping_inputs``), with the residual
+    guard off (``comm.RESIDUAL_GUARD = inf``; the next test has it on), against the truth (the
+    library's delivered gradients and the float64 oracle's Euclidean route with the same error
+    feedback, both against the exact average), with the defaults but the damping.
 
     Without error feedback GIFT beats FP8 at every step (measured 0.66-0.82x; bound 0.9) and
     never falls back. With it the residual diverges (measured 1.3x FP8's error at step 1, 2.6x at
@@ -413,12 +424,13 @@ def test_a_layer_error_feedback_makes_worse_than_fp8_falls_back_at_its_first_rea
     steps = 30
     config = GiftConfig(layers=("fc",), damping=1e-4)
     without, with_ = (metered_against_the_truth(ranks, config.replace(error_feedback=error_feedback), collective, steps,
-                                                swapping_inputs) for error_feedback in (False, True))
+                                                swapping_inputs, math.inf) for error_feedback in (False, True))
     for run in (without, with_):
         assert run.readings == run.readings_of_rank_1
     assert max(without.ratios) < 0.9 and not any(without.fallback)
     assert all(without.readings[step][0] < 1 for step in range(0, steps, 10))
-    readings, _, fallback, delivered, exact, euclidean, ratios = with_
+    readings, _, fallback, delivered, exact, euclidean, ratios, dropped = with_
+    assert dropped[-1] == (0, 0)
     assert min(ratios[2:11]) > 2  # the case is real: error feedback makes GIFT worse than FP8 with it
     assert readings[0][0] < 1 and fallback.index(True) == 10 and all(fallback[10:])  # Euclidean from step 11
     assert min(readings[10]) > 2
@@ -428,6 +440,42 @@ def test_a_layer_error_feedback_makes_worse_than_fp8_falls_back_at_its_first_rea
             assert got == pytest.approx(want, rel=0.1)
     after = ratios[20:]
     assert max(abs(r - 1) for r in after) < 0.15 and abs(sum(after) / len(after) - 1) < 0.05, after
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+def test_the_residual_guard_holds_error_feedback_that_would_diverge(ranks, collective):
+    """The case above with the shipped residual guard (``comm.keeps_residual``). From step 1 on
+    every carried residual is larger, whitened, than the whitened gradient it would ride on
+    (measured 2.1-2.5x; a layer that trains normally: 0.03-0.05x), so each rank drops it: one per
+    step on the reduce-scatter route, two on the all-reduce route (its second stage too). Then:
+
+    * against the truth (the oracle's Euclidean FP8 route with error feedback, the exact average),
+      GIFT is below FP8 at every step (measured 0.47-0.77x; bound 0.9), and the layer never falls
+      back. The meter reads it: every reading below 1, each within 0.15 of the truth (the bound of
+      the delivered-error tests above; measured gaps 0.01-0.06);
+    * against the float64 oracle's GIFT route, which applies the same rule in its own
+      formulation (residuals kept in whitened coordinates and moved at each new ``T``), the
+      delivered error has the same size at every step: within 15% (measured 0.92-1.09x, mean 1.01;
+      the two round off differently, so their errors are compared, not their outputs). Without
+      the rule the oracle's route diverges like the library's in the test above."""
+    steps = 30
+    config = GiftConfig(layers=("fc",), damping=1e-4)
+    readings, readings1, fallback, delivered, exact, euclidean, ratios, dropped = metered_against_the_truth(
+        ranks, config, collective, steps, swapping_inputs)
+    assert readings == readings1
+    per_step = 1 if collective == "reduce_scatter" else 2
+    assert dropped == [(per_step * step,) * 2 for step in range(steps)]
+    assert max(ratios) < 0.9 and not any(fallback), ratios
+    for step in range(0, steps, config.meter_interval):
+        truth = true_reading(delivered, exact, euclidean, step, min(step + 1, config.meter_window))
+        assert all(got < 1 for got in readings[step])
+        for got, want in zip(readings[step], truth):
+            assert got == pytest.approx(want, abs=0.15), (step, readings[step], truth)
+    gift = oracle.OracleLayer(METER_D_OUT, METER_D_IN, 2, rank=config.low_rank, damping=config.damping, collective=collective)
+    for step in range(steps):
+        grads, xs = zip(*(swapping_inputs(r, step) for r in range(2)))
+        oracle_error = (gift.reduce(list(grads), list(xs)) - exact[step]).norm()
+        assert (delivered[step] - exact[step]).norm() / oracle_error == pytest.approx(1, abs=0.15), step
 
 
 def second_stage_inputs(rank, step, d_in=METER_D_IN):
@@ -472,7 +520,7 @@ def test_a_layer_the_second_stage_makes_worse_than_fp8_falls_back(ranks):
     config = GiftConfig(layers=("fc",), damping=0.05, error_feedback=False)
     means = {}
     for collective in ("reduce_scatter", "all_reduce"):
-        readings, readings1, fallback, _, _, _, ratios = metered_against_the_truth(
+        readings, readings1, fallback, _, _, _, ratios, _ = metered_against_the_truth(
             ranks, config, collective, steps, second_stage_inputs)
         assert readings == readings1
         means[collective] = sum(ratios[:21]) / 21
@@ -501,7 +549,7 @@ def test_on_the_fallback_each_gift_shadow_reading_is_what_the_oracles_gift_route
     sketch rows instead of 32 the reduce-scatter readings agree with the oracle within 0.01, so
     that is the sketch's spread, not a bias."""
     config, steps = GiftConfig(layers=("fc",)), 60
-    (delivered0, readings, fallback), (delivered1, _, _) = ranks(2).run(
+    (delivered0, readings, fallback, _), (delivered1, _, _, _) = ranks(2).run(
         metered_steps, config, collective, steps, classifier_inputs)
     delivered = gathered([delivered0, delivered1], collective)
     assert fallback.index(True) == 20
@@ -585,7 +633,7 @@ def test_a_layer_is_retried_once_its_gift_shadow_wins(ranks):
     than FP8 (the readings, and the truth from the oracle's Euclidean route)."""
     config = GiftConfig(layers=("fc",), meter_interval=2, meter_window=1, fallback_patience=2, fallback_retry=6)
     steps = 34
-    readings, _, fallback, _, _, _, ratios = metered_against_the_truth(ranks, config, "reduce_scatter", steps, recovering_inputs)
+    readings, _, fallback, _, _, _, ratios, _ = metered_against_the_truth(ranks, config, "reduce_scatter", steps, recovering_inputs)
     shown = [(round(r[0], 2), f) for r, f in zip(readings, fallback)]
     assert not any(fallback[:2]) and all(fallback[2:20]) and not any(fallback[20:]), shown
     assert all(readings[t][0] > 1 for t in range(4, 11, 2)), shown  # the shadow: GIFT would lose

@@ -200,6 +200,7 @@ class GiftSession:
         out["gift/damping_min"], out["gift/damping_max"] = (min(dampings), max(dampings)) if dampings else (None, None)
         out["gift/fallback_layers"] = sum(c.fallback_until is not None for c in self.runtime.counters.values())
         out["gift/restarts"] = self.runtime.report_restarts()
+        out["gift/residuals_dropped"] = sum(c.residuals_dropped for c in self.runtime.counters.values())
         out["gift/collectives_per_step"] = accounting.collective_calls or None
         out["gift/collectives_per_step_traced"] = accounting.collective_calls_traced or None
         seconds = timing.timer(NAMESPACE).take()
