@@ -19,7 +19,8 @@ feedback, meter and fallback), and is scored against the exact average:
   accumulated over the window (``TARGET_WINDOW``), and its one-step error against one-stage
   FP8 (the reduce-scatter route's: each rank's own round trip, summed exactly);
 * eager seconds per step of the codec (the compiled costs are in pass_overhead.py) and
-  bytes per rank per step (gradient payload + statistics).
+  bytes per rank per step (gradient payload + statistics);
+* the fallbacks taken and the residuals the residual guard dropped (``comm.keeps_residual``).
 
 Reduce-scatter codecs (FSDP) quantize once per rank; all-reduce codecs (replicate / DDP) add
 the re-quantization of each reduced shard by its owner (or a bf16 all-gather).
