@@ -142,7 +142,7 @@ def test_auto_selection_cuts_at_the_largest_drop():
     assert autoselect.choose_layers([autoselect.LayerHitRate("x", 0, 10)]) == []
     counters = {"a": LayerCounters("fp8")}
     for saturated, flushed in [(2.0, 1.0), (1.0, 0.0)]:
-        counters["a"].add_step(torch.tensor([saturated, flushed, 0.0, 1.0, 0.0, 1.0]), bytes_sent=10)
+        counters["a"].add_step(torch.tensor([saturated, flushed, 0.0, 1.0, 0.0, 1.0, 0.0]), bytes_sent=10)
     assert autoselect.global_hit_counts(counters, {"a": 10}) == [autoselect.LayerHitRate("a", 4, 20)]
     text = autoselect.layers_toml(["a.w2"], rates, 100)
     assert 'layers = ["a.w2"]' in text
