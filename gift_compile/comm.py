@@ -118,8 +118,7 @@ def quantized_reduce(
         payload = g.float() + residual
         sent_coords = payload
     else:
-        kept = keeps_residual(whitening.squared_norm(residual), whitening.squared_norm(g.float()))
-        payload = torch.where(kept, g.float() + residual, g.float())
+        payload, kept = guarded_sum(g.float(), residual, whitening)
         sent_coords = whiten(payload)
         dropped.append(~kept)
     scattered = quantized_reduce_scatter(sent_coords, op, group, wire)
@@ -162,6 +161,14 @@ def keeps_residual(residual_sq: torch.Tensor, carrier_sq: torch.Tensor) -> torch
     a residual is sent with what it rides on (a 0-d bool, no host sync). A NaN in the carrier
     drops the residual (the comparison is false); that step's output is NaN anyway."""
     return residual_sq <= RESIDUAL_GUARD**2 * carrier_sq
+
+
+def guarded_sum(carrier: torch.Tensor, residual: torch.Tensor, whitening: Whitening) -> tuple[torch.Tensor, torch.Tensor]:
+    """``carrier + residual`` in the gradient's coordinates, or ``carrier`` alone where the
+    residual guard drops the residual (their norms measured after whitening, without forming
+    either: ``Whitening.squared_norm``); and whether it was kept."""
+    kept = keeps_residual(whitening.squared_norm(residual), whitening.squared_norm(carrier))
+    return torch.where(kept, carrier + residual, carrier), kept
 
 
 def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str, gather_dtype: str = "wire") -> Reduction:

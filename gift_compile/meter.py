@@ -69,7 +69,7 @@ import torch.nn.functional as F
 
 from gift_compile import policy
 from gift_compile.collectives import WireFormat, resolve_group, round_trip, shard_round_trip
-from gift_compile.comm import finite_or_zero, keeps_residual
+from gift_compile.comm import finite_or_zero, guarded_sum
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening
 from gift_compile.static_compile import static_compile
@@ -278,11 +278,8 @@ def _second_stage(delivered: torch.Tensor, gather_error: torch.Tensor, residual:
 
 def _guarded_payload(carrier: torch.Tensor, residual: torch.Tensor, whitening: Whitening | None) -> torch.Tensor:
     """``carrier + residual``; for GIFT's shadow, ``carrier`` alone where ``comm``'s residual guard
-    would not send the residual (``comm.keeps_residual``, in whitened coordinates)."""
-    if whitening is None:
-        return carrier + residual
-    kept = keeps_residual(whitening.squared_norm(residual), whitening.squared_norm(carrier))
-    return torch.where(kept, carrier + residual, carrier)
+    would not send the residual (``comm.guarded_sum``, the first stage's rule)."""
+    return carrier + residual if whitening is None else guarded_sum(carrier, residual, whitening)[0]
 
 
 def _in_coordinates(whitening: Whitening | None, round_trip_fn, x: torch.Tensor) -> torch.Tensor:
