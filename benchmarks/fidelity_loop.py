@@ -20,7 +20,8 @@ feedback, meter and fallback), and is scored against the exact average:
   FP8 (the reduce-scatter route's: each rank's own round trip, summed exactly);
 * eager seconds per step of the codec (the compiled costs are in pass_overhead.py) and
   bytes per rank per step (gradient payload + statistics);
-* the fallbacks taken and the residuals the residual guard dropped (``comm.keeps_residual``).
+* the fallbacks taken, the steps each layer spent on its fallback, and the residuals the residual
+  guard dropped (``comm.keeps_residual``).
 
 Reduce-scatter codecs (FSDP) quantize once per rank; all-reduce codecs (replicate / DDP) add
 the re-quantization of each reduced shard by its owner (or a bf16 all-gather).
@@ -319,6 +320,7 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         module.register_forward_hook(lambda m, args, out, fqn=fqn: inputs.__setitem__(fqn, args[0].detach().reshape(-1, args[0].shape[-1])))
     names = list(layers)
     step_errors = torch.zeros(steps, len(all_codecs), len(names))
+    whitened_sent = torch.zeros(steps, len(all_codecs), len(names), dtype=torch.bool)  # the layer's gradient went whitened
     sums = {(c.name, fqn): None for c in all_codecs for fqn in names}
     exact_sums = {fqn: None for fqn in names}
     seconds = defaultdict(float)
@@ -335,6 +337,9 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
         average_gradients(model, world)
         squares = torch.zeros(len(all_codecs), len(names), 2, dtype=torch.float64)
         for i, codec in enumerate(all_codecs):
+            if codec.whitened and codec.stateful:  # before the step: a fallback decided at a reading starts on the next step
+                counters = reducers[codec.name].runtime.counters
+                whitened_sent[step, i] = torch.tensor([fqn not in counters or counters[fqn].fallback_until is None for fqn in names])
             t0 = time.perf_counter()
             outputs, taken = {}, []  # taken: q, k and v (w1 and w3) send one sketch, as on every route
             for fqn in names:
@@ -406,7 +411,7 @@ def run_rank(rank: int, world: int, setup: Setup, steps: int, tokens: int, lr: f
                 for c in all_codecs if c.whitened and c.config.adaptive_damping}
     return {
         "codecs": [c.name for c in all_codecs], "collectives": [c.collective for c in all_codecs], "layers": names,
-        "step_errors": step_errors, "accumulated": (accumulated[..., 0] / accumulated[..., 1]).sqrt(),
+        "step_errors": step_errors, "whitened_sent": whitened_sent, "accumulated": (accumulated[..., 0] / accumulated[..., 1]).sqrt(),
         "seconds": {k: v / steps for k, v in seconds.items()}, "bytes": bytes_per_step, "fallbacks": fallbacks,
         "residuals_dropped": {c.name: int(d) for c, d in zip(all_codecs, dropped) if c.stateful},
         "losses": losses, "meter": meter_log, "target_windows": target_windows, "dampings": dampings, "meter_twins": {all_codecs[i].name: meter_twin(all_codecs[i]) for i in metered},
@@ -486,31 +491,52 @@ def targets_table(result: dict, first_step: int) -> tuple[list[str], list[list]]
     route's Euclidean FP8, same error feedback), over every layer (all are whitened here): the
     worst ``TARGET_WINDOW``-step window from step ``TARGET_WINDOW`` on, of the one-step ratio
     (its mean over the window) and of the accumulated ratio (the error of the window's summed
-    updates), with how many (window, layer) pairs are above 1; and the mean one-step ratio to
-    one-stage FP8 (the reduce-scatter route's Euclidean FP8) and to the route's own."""
+    updates), with how many (window, layer) pairs are above 1 and how many of those had the layer
+    on its fallback for some of the window (there it sends what its twin sends); the worst window
+    of a layer sent whitened throughout; and the mean one-step ratio to one-stage FP8 (the
+    reduce-scatter route's Euclidean FP8) and to the route's own."""
     codecs_, layers = result["codecs"], result["layers"]
     errors, windows = result["step_errors"], result["target_windows"]
     one_stage = codecs_.index("Euclidean FP8")
     headers = ["codec", "compared with", "windows x layers", "worst window: one-step (layer, from step)",
-               "above 1", "worst window: accumulated (layer, from step)", "above 1",
+               "above 1 (on the fallback)", "worst window: accumulated (layer, from step)", "above 1 (on the fallback)",
+               "worst window sent whitened throughout: one-step / accumulated",
                "one-step vs one-stage FP8 / the route's FP8 (mean, steps " + f"{first_step}+)"]
     rows = []
     for name, twin in result["meter_twins"].items():
         i, k = codecs_.index(name), codecs_.index(twin)
-        cells = []
+        whitened = torch.stack([result["whitened_sent"][start:start + TARGET_WINDOW, i].all(dim=0) for start, _ in windows])
+        cells, throughout = [], []
         for kind in ("one", "acc"):
             ratios = torch.stack([
                 (errors[start:start + TARGET_WINDOW, i] / errors[start:start + TARGET_WINDOW, k]).mean(dim=0) if kind == "one"
                 else (squared[i] / squared[k]).sqrt().float()
                 for start, squared in windows])  # (windows, layers)
             w, j = divmod(int(ratios.argmax()), len(layers))
-            cells += [f"{ratios.max():.2f} ({layers[j]}, {windows[w][0]})", f"{int((ratios > 1).sum())}"]
+            above = ratios > 1
+            cells += [f"{ratios.max():.2f} ({layers[j]}, {windows[w][0]})", f"{int(above.sum())} ({int((above & ~whitened).sum())})"]
+            throughout.append(f"{ratios[whitened].max():.2f}" if whitened.any() else "-")
         base = "Euclidean FP8" if result["collectives"][i] == "reduce_scatter" else "all-reduce: Euclidean FP8"
         later = errors[first_step:]
         vs = [(later[:, i] / later[:, b]).mean().item() for b in (one_stage, codecs_.index(base))]
-        rows.append([name, twin, f"{len(windows)} x {len(layers)}", cells[0], cells[1], cells[2], cells[3],
-                     f"{vs[0]:.3f} / {vs[1]:.3f}"])
+        rows.append([name, twin, f"{len(windows)} x {len(layers)}", *cells, " / ".join(throughout), f"{vs[0]:.3f} / {vs[1]:.3f}"])
     return headers, rows
+
+
+def fallback_history(result: dict) -> list[str]:
+    """Per whitened codec, the steps each layer's gradient went on its fallback (Euclidean on its wire)."""
+    lines = []
+    for i, name in enumerate(result["codecs"]):
+        sent = result["whitened_sent"][:, i]
+        if not sent.any():  # not a whitened codec
+            continue
+        spans = []
+        for j, fqn in enumerate(result["layers"]):
+            off = (~sent[:, j]).nonzero().flatten().tolist()
+            starts = [s for s in off if s - 1 not in off]
+            spans += [f"{fqn} {s}-{next(e for e in off if e >= s and e + 1 not in off)}" for s in starts]
+        lines.append(f"{name}: {', '.join(spans) if spans else 'never on its fallback'}")
+    return lines
 
 
 def same_wire_ratios(result: dict, i: int, selected: list[int], first_step: int) -> str:
@@ -608,10 +634,11 @@ def main() -> None:
         if results[name]["meter_twins"] and results[name]["target_windows"]:
             headers, rows = targets_table(results[name], first_step)
             targets = tabulate(rows, headers=headers, tablefmt="github")
+            history = fallback_history(results[name])
             lines += [f"Each whitened codec against its route's Euclidean FP8 with the same error feedback, every layer, "
                       f"{TARGET_WINDOW}-step windows back to back from step {TARGET_WINDOW} (issue 22's target: none above 1):",
-                      "", targets, ""]
-            print(targets + "\n", flush=True)
+                      "", targets, "", "Steps each layer spent on its fallback:", "", *[f"* {line}" for line in history], ""]
+            print(targets + "\n\n" + "\n".join(history) + "\n", flush=True)
         # Written after every setup: a long run that is stopped keeps the setups it finished.
         RESULTS.mkdir(parents=True, exist_ok=True)
         stem = args.results or ("fidelity_loop" if args.codecs == "defaults" else f"fidelity_loop_{args.codecs}")
