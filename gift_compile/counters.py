@@ -112,7 +112,7 @@ def counters_table(counters: dict[str, LayerCounters]) -> str:
     rows = []
     for fqn, c in sorted(counters.items()):
         d = c.as_dict()
-        path = d["path"] if d["fallback_until"] is None else f"{d['path']} (FP8 until step {d['fallback_until']})"
+        path = d["path"] if d["fallback_until"] is None else f"{d['path']} (Euclidean until step {d['fallback_until']})"
         rows.append((
             fqn, path, d["steps"], d["bytes_sent"], d["stats_bytes"], d["saturated"], d["flushed"],
             _fmt(d["last_rel_error"], ".3e"), _fmt(d["error_vs_fp8"], ".2f"), _fmt(d["accumulated_vs_fp8"], ".2f"), _fmt(d["damping"], ".3g"),

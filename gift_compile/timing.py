@@ -31,38 +31,73 @@ CODEC = "gift_codec"
 
 @dataclass
 class StepTimer:
-    """Seconds per kind, summed over the steps since the last :meth:`take`."""
+    """Seconds per kind, summed over the steps since the last :meth:`take`, and over the run
+    from its second step (:meth:`summary`: the first step compiles)."""
 
     totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     steps: int = 0
+    run_totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    run_steps: int = 0
+    steps_done: int = 0
     _last: object = None
     _kind: str | None = None
-    _events: list = field(default_factory=list)  # (kind, start event, end event) on a GPU
+    _events: list = field(default_factory=list)  # (kind, start event, end event, in the run's totals) on a GPU
 
     def tick(self, kind: str | None, device: torch.device | None = None) -> None:
         """Close the running segment and open one of ``kind`` (``None``: the step ends)."""
+        counted = self.steps_done > 0
         if device is not None and device.type == "cuda":
             now = torch.cuda.Event(enable_timing=True)
             now.record()
             if self._last is not None:
-                self._events.append((self._kind, self._last, now))
+                self._events.append((self._kind, self._last, now, counted))
         else:
             now = time.perf_counter()
             if self._last is not None:
-                self.totals[self._kind] += now - self._last
+                self._add(self._kind, now - self._last, counted)
         self._last, self._kind = (now, kind) if kind is not None else (None, None)
-        self.steps += kind is None
+        if kind is None:
+            self.steps += 1
+            self.run_steps += counted
+            self.steps_done += 1
 
     def take(self) -> dict[str, float]:
         """Seconds per step and kind since the last call (and ``step``, their sum); then reset."""
+        self._read_events()
+        taken = per_step(self.totals, self.steps)
+        self.totals, self.steps = dict.fromkeys(KINDS, 0.0), 0
+        return taken
+
+    def summary(self) -> str | None:
+        """The time meter over the run from its second step, in one line (the counters table's
+        footer); None before such a step was timed."""
+        self._read_events()
+        seconds = per_step(self.run_totals, self.run_steps)
+        if seconds["step"] <= 0:
+            return None
+        return (f"time meter, steps 2-{self.run_steps + 1}: {seconds['step']:.3f} s/step = codec {seconds['codec']:.3f} + "
+                f"waiting for gradient communication {seconds['wait']:.3f} + other compute {seconds['compute']:.3f}; codec "
+                f"and waiting {(seconds['codec'] + seconds['wait']) / seconds['step']:.0%} of the step")
+
+    def _add(self, kind: str, seconds: float, counted: bool) -> None:
+        self.totals[kind] += seconds
+        if counted:
+            self.run_totals[kind] += seconds
+
+    def _read_events(self) -> None:
+        """On a GPU: add the recorded segments to the totals (one sync)."""
         if self._events:
             torch.cuda.synchronize()
-            for kind, start, end in self._events:
-                self.totals[kind] += start.elapsed_time(end) / 1000
-        per_step = {kind: seconds / max(self.steps, 1) for kind, seconds in self.totals.items()}
-        per_step["step"] = sum(per_step.values())
-        self.totals, self.steps, self._events = dict.fromkeys(KINDS, 0.0), 0, []
-        return per_step
+            for kind, start, end, counted in self._events:
+                self._add(kind, start.elapsed_time(end) / 1000, counted)
+            self._events = []
+
+
+def per_step(totals: dict[str, float], steps: int) -> dict[str, float]:
+    """Seconds per step and kind, and ``step``, their sum."""
+    out = {kind: seconds / max(steps, 1) for kind, seconds in totals.items()}
+    out["step"] = sum(out.values())
+    return out
 
 
 _TIMERS: dict[str, StepTimer] = {}
@@ -111,4 +146,4 @@ def instrument(graph: fx.Graph, namespace: str) -> int:
     return ticks
 
 
-__all__ = ["CODEC", "KINDS", "StepTimer", "gradient_waits", "instrument", "tick", "timer"]
+__all__ = ["CODEC", "KINDS", "StepTimer", "gradient_waits", "instrument", "per_step", "tick", "timer"]

@@ -21,6 +21,23 @@ def test_segments_are_attributed_to_the_kind_that_opened_them(monkeypatch):
     assert t.take()["step"] == 0.0  # taken: reset
 
 
+def test_the_summary_covers_the_run_from_its_second_step_across_takes(monkeypatch):
+    clock = iter([0.0, 5.0, 5.5, 5.8, 5.9, 6.0, 6.2])  # a fake clock, as above
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    t = timing.StepTimer()
+    for kind in ("codec", None):  # step 1 (the compile): 5 s of codec, left out of the summary
+        t.tick(kind)
+    assert t.take()["codec"] == 5.0 and t.summary() is None  # logged, but nothing for the run's line yet
+    for kind in ("compute", "wait", None):  # step 2: 0.3 compute, 0.1 wait
+        t.tick(kind)
+    t.take()  # a logged step: the summary still counts it
+    for kind in ("codec", None):  # step 3: 0.2 codec
+        t.tick(kind)
+    assert t.summary() == ("time meter, steps 2-3: 0.300 s/step = codec 0.100 + waiting for gradient communication 0.050 + "
+                           "other compute 0.150; codec and waiting 50% of the step")
+    assert abs(t.take()["codec"] - 0.2) < 1e-12  # the summary reset nothing: step 3 is still to be logged
+
+
 def test_ticks_mark_every_change_of_kind():
     graph = fx.Graph()
     x = graph.placeholder("x")

@@ -106,6 +106,19 @@ def test_overlap_and_the_time_meter_reach_the_final_graph_and_the_metrics(runs):
         share = first.series("gift/comm_share")[step]
         assert codec > 0 and wait >= 0 and 0 < share <= 1
         assert codec + wait <= times[step] - times[step - 1]
+    # ... and over the run from step 2 (step 1 compiles), on the last line of rank 0's counters
+    # table (the metrics are rank 0's; each rank logs its table in one message): the same seconds
+    rank0 = first.log.partition("per-layer counters (rank 0)")[2]
+    line = re.search(r"time meter, steps 2-(\d+): ([\d.]+) s/step = codec ([\d.]+) \+ waiting for gradient communication "
+                     r"([\d.]+) \+ other compute ([\d.]+); codec and waiting (\d+)% of the step", rank0)
+    assert line, first.log[-3000:]
+    last, step_s, codec, wait, compute, share = (float(x) for x in line.groups())
+    assert last == STEPS
+    assert abs(codec + wait + compute - step_s) <= 0.002  # printed to 3 decimals
+    for printed, name in ((codec, "codec_s"), (wait, "comm_wait_s")):  # one record per step: the run's mean is theirs
+        series = first.series(f"gift/{name}")
+        assert abs(printed - sum(series[step] for step in range(2, STEPS + 1)) / (STEPS - 1)) <= 0.0006
+    assert abs(share - 100 * (codec + wait) / step_s) <= 1
     assert first.last("gift/collectives_per_step") > 0 and first.last("gift/collectives_per_step_traced") > 0
 
 

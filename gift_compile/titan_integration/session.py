@@ -234,7 +234,9 @@ class GiftSession:
         record_metrics(self.dump_folder, step, **values)
 
     def summary(self) -> str:
-        return self.runtime.table()
+        """The per-layer counters table, and the time meter's line where the route has one (graph_trainer)."""
+        timed = timing.timer(NAMESPACE).summary()
+        return self.runtime.table() + (f"\n{timed}" if timed else "")
 
     def write_counters(self) -> Path:
         """``<dump_folder>/gift_counters_rank<r>.json``: per-layer counters and a state fingerprint."""
