@@ -118,8 +118,8 @@ def quantized_reduce(
         payload = g.float() + residual
         sent_coords = payload
     else:
-        payload, kept = guarded_sum(g.float(), residual, whitening)
-        sent_coords = whiten(payload)
+        payload, kept, projected = guarded_sum(g.float(), residual, whitening)
+        sent_coords = whitening.whiten(payload, projected)
         dropped.append(~kept)
     scattered = quantized_reduce_scatter(sent_coords, op, group, wire)
     # This rank's round trip, in G's coordinates. Non-finite entries (whitening has already
@@ -163,12 +163,16 @@ def keeps_residual(residual_sq: torch.Tensor, carrier_sq: torch.Tensor) -> torch
     return residual_sq <= RESIDUAL_GUARD**2 * carrier_sq
 
 
-def guarded_sum(carrier: torch.Tensor, residual: torch.Tensor, whitening: Whitening) -> tuple[torch.Tensor, torch.Tensor]:
+def guarded_sum(carrier: torch.Tensor, residual: torch.Tensor,
+                whitening: Whitening) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``carrier + residual`` in the gradient's coordinates, or ``carrier`` alone where the
     residual guard drops the residual (their norms measured after whitening, without forming
-    either: ``Whitening.squared_norm``); and whether it was kept."""
-    kept = keeps_residual(whitening.squared_norm(residual), whitening.squared_norm(carrier))
-    return torch.where(kept, carrier + residual, carrier), kept
+    either: ``Whitening.squared_norm``); whether it was kept; and the sum's ``Whitening.projection``,
+    which whitening it needs: the norms' products, added (linear), instead of a product of its own."""
+    carrier_b, residual_b = whitening.projection(carrier), whitening.projection(residual)
+    kept = keeps_residual(whitening.squared_norm(residual, residual_b), whitening.squared_norm(carrier, carrier_b))
+    projected = None if carrier_b is None else torch.where(kept, carrier_b + residual_b, carrier_b)
+    return torch.where(kept, carrier + residual, carrier), kept, projected
 
 
 def euclidean_reduce(g: torch.Tensor, *, op: str, group, wire: WireFormat, collective: str, gather_dtype: str = "wire") -> Reduction:

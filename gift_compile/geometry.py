@@ -88,20 +88,26 @@ class Whitening:
     layout: str
     tensors: dict[str, torch.Tensor]
 
-    def whiten(self, g: torch.Tensor) -> torch.Tensor:
-        return _apply(self.layout, self.tensors, g, inverse=False)
+    def whiten(self, g: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """``G T``; ``projected``: ``G B`` (:meth:`projection`) where the caller has it already."""
+        return _apply(self.layout, self.tensors, g, inverse=False, projected=projected)
 
     def unwhiten(self, u: torch.Tensor) -> torch.Tensor:
         return _apply(self.layout, self.tensors, u, inverse=True)
 
-    def squared_norm(self, g: torch.Tensor) -> torch.Tensor:
+    def projection(self, g: torch.Tensor) -> torch.Tensor | None:
+        """``G B`` in the low-rank layout (``T = s I + B diag(c) B^T``), the product a whitening and
+        :meth:`squared_norm` start from; None for a dense ``T``."""
+        return g @ self.tensors["basis"] if self.layout == "lowrank" else None
+
+    def squared_norm(self, g: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
         """``|G T|^2`` (Frobenius, 0-d), without forming ``G T`` in the low-rank layout: there
-        ``|G T|^2 = s^2 |G|^2 + sum_k (2 s c_k + c_k^2) |G b_k|^2`` (``T = s I + B diag(c) B^T``,
-        ``B`` orthonormal), one ``d_out x r`` product instead of a whitening's two."""
+        ``|G T|^2 = s^2 |G|^2 + sum_k (2 s c_k + c_k^2) |G b_k|^2`` (``B`` orthonormal), from
+        ``G B`` alone (``projected`` where the caller has it) instead of a whitening's two products."""
         if self.layout != "lowrank":
             return self.whiten(g).square().sum()
         scale, coef = self.tensors["scale"], self.tensors["coef"]
-        projected = (g @ self.tensors["basis"]).square().sum(dim=0)
+        projected = (self.projection(g) if projected is None else projected).square().sum(dim=0)
         return scale * scale * g.square().sum() + ((2 * scale + coef) * coef * projected).sum()
 
     def matrix(self, inverse: bool = False) -> torch.Tensor:
@@ -133,7 +139,8 @@ class Whitening:
         return Whitening("lowrank", {"basis": t["basis"], **blended})
 
 
-def _apply(layout: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool) -> torch.Tensor:
+def _apply(layout: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse: bool,
+           projected: torch.Tensor | None = None) -> torch.Tensor:
     if g.dim() != 2:
         raise ValueError(f"whitening needs a 2-D (d_out, d_in) gradient, got shape {tuple(g.shape)}")
     suffix = "_inv" if inverse else ""
@@ -141,7 +148,8 @@ def _apply(layout: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse:
         return g @ t["T" + suffix]
     if layout == "lowrank":
         basis = t["basis"]
-        return g * t["scale" + suffix] + ((g @ basis) * t["coef" + suffix]) @ basis.T
+        projected = g @ basis if projected is None else projected
+        return g * t["scale" + suffix] + (projected * t["coef" + suffix]) @ basis.T
     raise ValueError(f"unknown whitening layout {layout!r}")
 
 
