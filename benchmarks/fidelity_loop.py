@@ -168,7 +168,16 @@ def damping_codecs() -> list[Codec]:
     return beside_euclidean_fp8([Codec("GIFT defaults", fp8), Codec("GIFT adaptive damping", fp8.replace(adaptive_damping=True))])
 
 
-CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs, "damping": damping_codecs}
+def patience_codecs() -> list[Codec]:
+    """GIFT's defaults with the fallback's patience at 3 (the default), 2 and 1 readings, beside the
+    same route's Euclidean FP8 (issue 22's windows at parity)."""
+    fp8 = GiftConfig(layers=())
+    return beside_euclidean_fp8([Codec("GIFT defaults" if n == fp8.fallback_patience else f"GIFT, patience {n}",
+                                       fp8.replace(fallback_patience=n)) for n in (3, 2, 1)])
+
+
+CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs, "damping": damping_codecs,
+              "patience": patience_codecs}
 
 
 def codecs() -> list[Codec]:
@@ -594,7 +603,8 @@ def main() -> None:
                         help="defaults: FP8 codecs and GIFT's settings; fp4: FP8 and FP4 wires, Euclidean / Hadamard / GIFT "
                              "(writes fidelity_loop_fp4.md); stats: GIFT's statistics in fp32 or bf16 (fidelity_loop_stats.md); meter: the live "
                              "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md); "
-                             "damping: fixed against adaptive damping (fidelity_loop_damping.md)")
+                             "damping: fixed against adaptive damping (fidelity_loop_damping.md); patience: the fallback's "
+                             "patience at 3, 2 and 1 readings (fidelity_loop_patience.md)")
     parser.add_argument("--results", help="stem of the result files in benchmarks/results (default: from --codecs)")
     args = parser.parse_args()
     if args.quick:
