@@ -75,7 +75,7 @@ class StepTimer:
         seconds = per_step(self.run_totals, self.run_steps)
         if seconds["step"] <= 0:
             return None
-        return (f"time meter, steps 2-{self.run_steps + 1}: {seconds['step']:.3f} s/step = codec {seconds['codec']:.3f} + "
+        return (f"time meter, {self.run_steps} steps after the first: {seconds['step']:.3f} s/step = codec {seconds['codec']:.3f} + "
                 f"waiting for gradient communication {seconds['wait']:.3f} + other compute {seconds['compute']:.3f}; codec "
                 f"and waiting {(seconds['codec'] + seconds['wait']) / seconds['step']:.0%} of the step")
 

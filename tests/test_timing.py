@@ -33,7 +33,7 @@ def test_the_summary_covers_the_run_from_its_second_step_across_takes(monkeypatc
     t.take()  # a logged step: the summary still counts it
     for kind in ("codec", None):  # step 3: 0.2 codec
         t.tick(kind)
-    assert t.summary() == ("time meter, steps 2-3: 0.300 s/step = codec 0.100 + waiting for gradient communication 0.050 + "
+    assert t.summary() == ("time meter, 2 steps after the first: 0.300 s/step = codec 0.100 + waiting for gradient communication 0.050 + "
                            "other compute 0.150; codec and waiting 50% of the step")
     assert abs(t.take()["codec"] - 0.2) < 1e-12  # the summary reset nothing: step 3 is still to be logged
 
