@@ -38,14 +38,14 @@ class StepTimer:
     steps: int = 0
     run_totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     run_steps: int = 0
-    steps_done: int = 0
+    first_step_done: bool = False
     _last: object = None
     _kind: str | None = None
     _events: list = field(default_factory=list)  # (kind, start event, end event, in the run's totals) on a GPU
 
     def tick(self, kind: str | None, device: torch.device | None = None) -> None:
         """Close the running segment and open one of ``kind`` (``None``: the step ends)."""
-        counted = self.steps_done > 0
+        counted = self.first_step_done
         if device is not None and device.type == "cuda":
             now = torch.cuda.Event(enable_timing=True)
             now.record()
@@ -59,12 +59,12 @@ class StepTimer:
         if kind is None:
             self.steps += 1
             self.run_steps += counted
-            self.steps_done += 1
+            self.first_step_done = True
 
     def take(self) -> dict[str, float]:
         """Seconds per step and kind since the last call (and ``step``, their sum); then reset."""
         self._read_events()
-        taken = per_step(self.totals, self.steps)
+        taken = _per_step(self.totals, self.steps)
         self.totals, self.steps = dict.fromkeys(KINDS, 0.0), 0
         return taken
 
@@ -72,7 +72,7 @@ class StepTimer:
         """The time meter over the run from its second step, in one line (the counters table's
         footer); None before such a step was timed."""
         self._read_events()
-        seconds = per_step(self.run_totals, self.run_steps)
+        seconds = _per_step(self.run_totals, self.run_steps)
         if seconds["step"] <= 0:
             return None
         return (f"time meter, {self.run_steps} steps after the first: {seconds['step']:.3f} s/step = codec {seconds['codec']:.3f} + "
@@ -93,7 +93,7 @@ class StepTimer:
             self._events = []
 
 
-def per_step(totals: dict[str, float], steps: int) -> dict[str, float]:
+def _per_step(totals: dict[str, float], steps: int) -> dict[str, float]:
     """Seconds per step and kind, and ``step``, their sum."""
     out = {kind: seconds / max(steps, 1) for kind, seconds in totals.items()}
     out["step"] = sum(out.values())
@@ -146,4 +146,4 @@ def instrument(graph: fx.Graph, namespace: str) -> int:
     return ticks
 
 
-__all__ = ["CODEC", "KINDS", "StepTimer", "gradient_waits", "instrument", "per_step", "tick", "timer"]
+__all__ = ["CODEC", "KINDS", "StepTimer", "gradient_waits", "instrument", "tick", "timer"]
