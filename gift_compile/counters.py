@@ -45,26 +45,27 @@ class LayerCounters:
     fallbacks: int = 0
     restarts_reported: int = 0
     """Restarts (see ``as_dict``'s ``restarts``) already logged."""
-    # float64 [saturated, flushed, residuals dropped] summed over steps, and [||err||^2,
-    # ||payload||^2] of the last step in the gradient's own coordinates, kept on the device
-    # that computed them.
-    _hits: torch.Tensor | None = field(default=None, repr=False)
-    _last_squares: torch.Tensor | None = field(default=None, repr=False)
+    # float64 sums over steps of every entry of ``stats`` (``comm.STATS``), and its last step's
+    # values (the squared norms in the gradient's own coordinates are read from it), kept on the
+    # device that computed them: two ops a step.
+    _sums: torch.Tensor | None = field(default=None, repr=False)
+    _last: torch.Tensor | None = field(default=None, repr=False)
     _restarts: torch.Tensor | None = field(default=None, repr=False)
 
     def add_restart(self, restarted: torch.Tensor) -> None:
         """Count a fresh start of the layer's geometry (a 0-d bool on the device, no sync)."""
         if self._restarts is None:
             self._restarts = torch.zeros((), dtype=torch.int64, device=restarted.device)
-        self._restarts.add_(restarted.long())
+        self._restarts.add_(restarted)
 
     def add_step(self, stats: torch.Tensor, bytes_sent: int, stats_bytes: int = 0) -> None:
         """Count one step whose encoding reported ``stats`` (``comm.Reduction.stats``)."""
         stats = stats.detach()
-        if self._hits is None:
-            self._hits = torch.zeros(len(_SUMMED), dtype=torch.float64, device=stats.device)
-        self._hits.add_(stats[_SUMMED])
-        self._last_squares = stats[[_ERROR, _PAYLOAD]].double()  # a copy: the graph may reuse the stats buffer
+        if self._sums is None:
+            self._sums = torch.zeros(len(STATS), dtype=torch.float64, device=stats.device)
+            self._last = torch.zeros_like(self._sums)
+        self._sums.add_(stats)
+        self._last.copy_(stats)  # a copy: the graph may reuse the stats buffer
         self.steps += 1
         self.bytes_sent += bytes_sent
         self.stats_bytes += stats_bytes
@@ -73,9 +74,9 @@ class LayerCounters:
         """Every counter, with the device-side ones read back once."""
         saturated = flushed = dropped = 0.0
         rel_error = None  # ||round-trip error|| / ||payload|| of the last step, in the gradient's coordinates
-        if self._hits is not None:
-            saturated, flushed, dropped = self._hits.tolist()
-            err_sq, payload_sq = self._last_squares.tolist()
+        if self._sums is not None:
+            saturated, flushed, dropped = self._sums[_SUMMED].tolist()
+            err_sq, payload_sq = self._last[[_ERROR, _PAYLOAD]].tolist()
             rel_error = (err_sq / payload_sq) ** 0.5 if payload_sq > 0 else 0.0
         return {
             "path": self.path, "steps": self.steps, "bytes_sent": self.bytes_sent, "stats_bytes": self.stats_bytes,

@@ -26,6 +26,7 @@ Where the factors come from:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -204,11 +205,12 @@ def input_sketch(x: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, max_
     """This rank's share of the current-step statistics, packed for one sum all-reduce:
     ``s^2 [X^T (X Q) (d*r), sum x^2, 0] + [0, 0, tokens]`` in fp32, with ``s = scale`` (see above).
     Costs ``4 tokens d r`` flops, no ``d x d``."""
-    rows = token_rows(x, max_tokens).float()
-    projected = rows.T @ ((rows @ (basis * scale)) * scale)
-    trace = torch.linalg.vector_norm(rows, dtype=torch.float64).square() * scale.double().square()
-    extras = torch.stack([trace.float(), torch.full((), rows.shape[0], dtype=torch.float32, device=rows.device)])
-    return torch.cat([projected.reshape(-1), extras])
+    rows = token_rows(x, max_tokens).float() * scale  # s X: every product of two is s^2 x x', exactly
+    projected = rows.T @ (rows @ basis)
+    # In fp32, like the projection it is compared with (the rest of the spectrum is the trace
+    # minus the Ritz values), and on the scaled rows, so it overflows only where they do.
+    trace = torch.linalg.vector_norm(rows).square()
+    return torch.cat([projected.reshape(-1), trace.reshape(1), trace.new_full((1,), rows.shape[0])])
 
 
 @input_sketch.register_fake
@@ -216,47 +218,52 @@ def _(x, basis, scale, max_tokens=None):
     return basis.new_empty(sketch_numel(*basis.shape))
 
 
+@functools.lru_cache(maxsize=32)
+def _identity_factors(rank: int, device: torch.device) -> torch.Tensor:
+    """The packed factors of ``T = I`` (``whitening_from_sketch``): coefficients 0, scales 1."""
+    return torch.cat([torch.zeros(2 * rank, dtype=torch.float64), torch.ones(2, dtype=torch.float64)]).to(device)
+
+
 @torch.library.custom_op("gift::whitening_from_sketch", mutates_args=())
 def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor) -> list[torch.Tensor]:
+    """``[ritz basis, [coef, coef_inv, scale, scale_inv] packed, next basis, next sketch scale]``."""
     d, r = basis.shape
     # No host sync on a bad value: a sketch that is not finite (an input with NaN/Inf, or one so
     # large the sketch overflowed before ``scale`` adapted) gives T = I for this step, keeps the
     # basis, and shrinks the scale. The gradient then travels as Euclidean FP8: a NaN input's
     # gradient is NaN there too (visible, never hidden), a huge one's is sent finite.
     # (Written for few ops: with d = 256 the op's time is mostly per-op overhead.)
-    is_finite = torch.isfinite(sketch)
-    finite = is_finite.all()
-    sketch = sketch.where(is_finite, 0.0)
+    finite = sketch.sum(dtype=torch.float64).isfinite()  # any NaN/Inf reaches the sum; finite fp32 values cannot overflow it
+    sketch = sketch.nan_to_num(0.0, 0.0, 0.0).double()
     scale64, basis64 = scale.double(), basis.double()
-    unscale = scale64.square().reciprocal()  # exact: a power of two
-    tokens = sketch[-1].double().clamp_min(1.0)
-    w = sketch[: d * r].reshape(d, r)  # s^2 W: the same digits as W
-    rayleigh = (basis.T @ w).double() * (unscale / tokens)
+    per_token = scale64.square().reciprocal() / sketch[-1].clamp_min(1.0)  # 1 / (s^2 n): s is a power of two
+    w = sketch[: d * r].view(d, r)  # s^2 W: the same digits as W
+    rayleigh = (basis64.T @ w) * per_token
     values, vectors = torch.linalg.eigh((rayleigh + rayleigh.T) / 2)
     values = values.flip(0).clamp_min(0.0)
     ritz = basis64 @ vectors.flip(1)
-    trace = sketch[-2].double() * unscale / tokens
+    trace = sketch[-2] * per_token
     shift = damping.double() * (trace / d).clamp_min(1e-30)
     damped = values + shift
     if r < d:
         rest = ((trace - values.sum()) / (d - r)).clamp_min(0.0) + shift
-        iso, iso_inv = rest.rsqrt(), rest.sqrt()
+        iso = torch.stack([rest.rsqrt(), rest.sqrt()])  # T's and T^-1's scale on the rest of the spectrum
     else:  # full rank: no isotropic rest
-        iso = iso_inv = torch.zeros((), dtype=torch.float64, device=sketch.device)
-    next_basis = torch.where(finite, torch.linalg.qr(w.double()).Q, basis64)
-    factors = [torch.where(finite, damped.rsqrt() - iso, 0.0), torch.where(finite, damped.sqrt() - iso_inv, 0.0),
-               torch.where(finite, iso, 1.0), torch.where(finite, iso_inv, 1.0)]
+        iso = sketch.new_zeros(2)
+    factors = torch.cat([damped.rsqrt() - iso[0], damped.sqrt() - iso[1], iso])
+    factors = torch.where(finite, factors, _identity_factors(r, sketch.device))
+    next_basis = torch.where(finite, torch.linalg.qr(w).Q, basis64)
     mean_square = trace / d  # of one input element, unscaled: the next scale brings it to ~1
     exponent = (-0.5 * torch.log2(mean_square)).round().clamp(*_SCALE_EXPONENT)
     rescaled = torch.where(mean_square > 0, torch.exp2(exponent), scale64)
     next_scale = torch.where(finite, rescaled, (scale64 * SKETCH_SCALE_SHRINK).clamp_min(2.0**_SCALE_EXPONENT[0]))
-    return [t.float().contiguous() for t in [ritz, *factors, next_basis, next_scale]]
+    return [t.to(torch.float32, memory_format=torch.contiguous_format) for t in (ritz, factors, next_basis, next_scale)]
 
 
 @_whitening_from_sketch.register_fake
 def _(sketch, basis, scale, damping):
     d, r = basis.shape
-    return [basis.new_empty(shape) for shape in ((d, r), (r,), (r,), (), (), (d, r), ())]
+    return [basis.new_empty(shape) for shape in ((d, r), (2 * r + 2,), (d, r), ())]
 
 
 def whitening_from_sketch(
@@ -272,8 +279,10 @@ def whitening_from_sketch(
     tensor (a layer's own, which ``adaptive_damping`` moves) or a number.
     """
     damping = torch.as_tensor(damping, dtype=torch.float32, device=sketch.device)
-    ritz, *rest, next_basis, next_scale = torch.ops.gift.whitening_from_sketch(sketch, basis, scale, damping)
-    return Whitening.from_list("lowrank", [ritz, *rest]), next_basis, next_scale
+    ritz, factors, next_basis, next_scale = torch.ops.gift.whitening_from_sketch(sketch, basis, scale, damping)
+    r = ritz.shape[1]
+    coef, coef_inv, scales = factors.split([r, r, 2])
+    return Whitening.from_list("lowrank", [ritz, coef, coef_inv, scales[0], scales[1]]), next_basis, next_scale
 
 
 # ----------------------------------------------------------------------------- periodic

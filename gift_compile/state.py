@@ -171,11 +171,13 @@ class GiftLayerState(nn.Module):
         checked when loaded) would fail LAPACK at every later step: it is replaced by a fresh
         start, with no host sync. Returns a 0-d bool on the device: whether it was (counted)."""
         tensors = self.geometry_tensors()
-        broken = ~torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+        # A NaN or Inf anywhere reaches a float64 sum; finite fp32 values cannot overflow one.
+        sums = [t.sum(dtype=torch.float64) for t in tensors]
+        broken = ~(sums[0] if len(sums) == 1 else torch.stack(sums).sum()).isfinite()
         for tensor, fresh in zip(tensors, self.fresh_geometry()):
-            tensor.copy_(torch.where(broken, fresh, tensor))
+            torch.where(broken, fresh, tensor, out=tensor)
         if self.current_step:
-            self.sketch_scale.copy_(torch.where(broken, torch.ones_like(self.sketch_scale), self.sketch_scale))
+            self.sketch_scale.masked_fill_(broken, 1.0)
         return broken
 
     def whitening_on(self) -> bool:
