@@ -172,8 +172,8 @@ class GiftLayerState(nn.Module):
         start, with no host sync. Returns a 0-d bool on the device: whether it was (counted)."""
         tensors = self.geometry_tensors()
         # A NaN or Inf anywhere reaches a float64 sum; finite fp32 values cannot overflow one.
-        sums = [t.sum(dtype=torch.float64) for t in tensors]
-        broken = ~(sums[0] if len(sums) == 1 else torch.stack(sums).sum()).isfinite()
+        first, *rest = (t.sum(dtype=torch.float64) for t in tensors)
+        broken = ~sum(rest, start=first).isfinite()
         for tensor, fresh in zip(tensors, self.fresh_geometry()):
             torch.where(broken, fresh, tensor, out=tensor)
         if self.current_step:
