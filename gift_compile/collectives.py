@@ -15,8 +15,8 @@ row block) and ``fp4`` (E2M1, two values per byte, block scales along the last d
 ``all_gather`` of its bytes; every rank then decodes the same bytes with the same scales, so
 all ranks end with bit-identical results.
 
-Built on ``torch.distributed._functional_collectives`` so the same code runs eagerly, is
-traced by ``make_fx`` into a graph the GIFT pass splices in, and compiles with Inductor.
+Built on the functional collectives (``torch.ops._c10d_functional``) so the same code runs
+eagerly, is traced by ``make_fx`` into a graph the GIFT pass splices in, and compiles with Inductor.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-from gift_compile import fp4
+from gift_compile import fp4, timing
 from gift_compile.config import GiftConfig
 from gift_compile.numerics import block_amax, boundary_hits, dequantize, quantize
 
@@ -111,10 +110,39 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return dist.group.WORLD if group is None else group
 
 
-def waited(t: torch.Tensor) -> torch.Tensor:
-    """Eager functional collectives return lazy ``AsyncCollectiveTensor``s; results leave
-    this module waited. Under tracing they are plain tensors already followed by ``wait_tensor``."""
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+c10d = torch.ops._c10d_functional
+
+
+# The collectives below are issued as the raw functional ops and waited on explicitly
+# (:func:`received`), not through ``_functional_collectives``, whose traced form waits at once: so a
+# traced graph holds one ``wait_tensor`` per collective (which the overlap pass may move), and
+# the FSDP route's time meter can swap that wait for one that it times (``timing.codec_section``).
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Equal 1-D chunks of ``x``, chunk ``j`` to rank ``j``; waited."""
+    world = _world(group)
+    split = [x.numel() // world] * world
+    return received(c10d.all_to_all_single(x, split, split, group.group_name))
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` stacked along dim 0; waited."""
+    return received(c10d.all_gather_into_tensor(x, _world(group), group.group_name))
+
+
+def _reduce_scatter_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return received(c10d.reduce_scatter_tensor(x, "sum", _world(group), group.group_name))
+
+
+def _all_reduce(x: torch.Tensor, reduce_op: str, group: dist.ProcessGroup) -> torch.Tensor:
+    return received(c10d.all_reduce(x, reduce_op, group.group_name))
+
+
+def received(t: torch.Tensor) -> torch.Tensor:
+    """Wait for a collective's result: ``wait_tensor``, or the time meter's timed wait where one is on."""
+    namespace = timing.timed_waits_namespace()
+    return c10d.wait_tensor(t) if namespace is None else torch.ops.gift.timed_wait(t, namespace)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
@@ -151,7 +179,7 @@ def _encode(chunks: torch.Tensor, lay: Layout, wire: WireFormat, group) -> tuple
     blocks = 1 if wire.scaling == "tensor" else n * lay.blocks_per_chunk
     amax = block_amax(chunks, blocks)
     if wire.scale_mode == "global_max":
-        amax = waited(funcol.all_reduce(amax, "max", group))
+        amax = _all_reduce(amax, "max", group)
     payload, scales = quantize(chunks, wire.fp8_format, blocks, amax=amax)
     scales = scales.reshape(-1, 1).expand(n, 1) if wire.scaling == "tensor" else scales.reshape(n, -1)
     payload = payload.reshape(n, -1)
@@ -223,8 +251,8 @@ def quantized_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFor
     lay = layout(x.shape, world, wire)
     chunks = _chunked(x, lay)
     messages, sent, hits = _encode(chunks, lay, wire, group)
-    received = waited(funcol.all_to_all_single(messages.reshape(-1), None, None, group))
-    reduced = _decode(received.reshape(world, -1), lay, wire).sum(dim=0)
+    incoming = all_to_all(messages.reshape(-1), group)
+    reduced = _decode(incoming.reshape(world, -1), lay, wire).sum(dim=0)
     if op == "avg":
         reduced = reduced / world
     shard = reduced[: lay.shard_rows].reshape(lay.shard_rows, *x.shape[1:])
@@ -245,7 +273,7 @@ def quantized_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat
     """
     group = resolve_group(group)
     messages, own, lay = _encode_shard(shard, rows, group, wire)
-    gathered = waited(funcol.all_gather_single(messages, 0, group))
+    gathered = all_gather(messages, group)
     decoded = _decode(gathered.reshape(lay.world, -1), lay, wire)
     return _unchunk(decoded, lay, (rows, *shard.shape[1:])), own
 
@@ -269,7 +297,7 @@ def reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> to
     world = _world(group)
     lay = layout(x.shape, world, WireFormat("fp32"))
     padded = _chunked(x, lay).reshape(world * lay.shard_rows, *x.shape[1:])
-    shard = waited(funcol.reduce_scatter_single(padded.to(_torch_dtype(wire.dtype)), "sum", 0, group)).float()
+    shard = _reduce_scatter_sum(padded.to(_torch_dtype(wire.dtype)), group).float()
     if op == "avg":
         shard = shard / world
     return shard.to(x.dtype)
@@ -281,7 +309,7 @@ def all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> torch.
     _check(x, op)
     if wire.quantized:
         return quantized_all_reduce(x, op, group, wire).reduced.to(x.dtype)
-    reduced = waited(funcol.all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group)).float()
+    reduced = _all_reduce(x.to(_torch_dtype(wire.dtype)), "sum", group).float()
     if op == "avg":
         reduced = reduced / _world(group)
     return reduced.to(x.dtype)

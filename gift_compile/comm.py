@@ -40,17 +40,16 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 from gift_compile.collectives import (
     WireFormat,
+    all_gather,
     all_reduce,
     quantized_all_gather,
     quantized_reduce_scatter,
     layout,
     reduce_scatter,
     resolve_group,
-    waited,
 )
 from gift_compile.geometry import Whitening
 
@@ -136,7 +135,7 @@ def quantized_reduce(
         output = unwhiten(scattered.reduced)
     elif gather_dtype == "bf16":
         shard = unwhiten(scattered.reduced).to(torch.bfloat16)
-        gathered = waited(funcol.all_gather_single(shard, 0, group)).float()
+        gathered = all_gather(shard, group).float()
         output = gathered[: g.shape[0]]
     else:
         if gather_residual is None:

@@ -52,7 +52,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
-from gift_compile import policy
+from gift_compile import policy, timing
 from gift_compile.agreement import describe
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
@@ -211,8 +211,13 @@ class GiftReduceScatter(ReduceScatter):
         # AVG over the shard group continues as AVG over the replicas; a sum (times FSDP's
         # divide factor, already applied to the shard) continues as a sum.
         self._op = kind
+        with timing.codec_section(self.namespace, input_tensor.device):
+            self._reduce_scatter(output_tensor, input_tensor.view(world, total), group, kind, factor)
+        return None
+
+    def _reduce_scatter(self, output_tensor, rows, group, kind: str, factor: float | None) -> None:
         runtime = get_runtime(self.namespace)
-        rows = input_tensor.view(world, total)
+        world = rows.shape[0]
         for segment in self.segments:
             local = rows[:, segment.offset : segment.offset + segment.numel].reshape(world * segment.shard_rows, segment.cols)
             grad = local[: segment.shape[0]]  # this rank's whole gradient: the padding rows are zeros
@@ -220,11 +225,14 @@ class GiftReduceScatter(ReduceScatter):
             if factor is not None:
                 shard = shard * factor
             output_tensor[segment.offset : segment.offset + segment.numel].copy_(shard.reshape(-1))
-        return None
 
     def all_reduce(self, reduce_output: torch.Tensor) -> None:
         """FSDP's all-reduce hook (HSDP's replicate dimension): reduce this rank's shard of every
         parameter across the replicas, in place (module docstring)."""
+        with timing.codec_section(self.namespace, reduce_output.device):
+            self._all_reduce(reduce_output)
+
+    def _all_reduce(self, reduce_output: torch.Tensor) -> None:
         runtime = get_runtime(self.namespace)
         route = FsdpRoute.of(runtime)
         for segment in self.segments:
@@ -300,14 +308,14 @@ def record_input(namespace: str, fqn: str, layer_input: torch.Tensor) -> None:
     if fqn not in route.selected:
         return
     earlier = route.pending.get(fqn)
-    if earlier is not None:
-        if torch._C._current_graph_task_id() != -1:  # a recompute inside the backward
-            return
-        if earlier[2] is not None:
+    if earlier is not None and torch._C._current_graph_task_id() != -1:  # a recompute inside the backward
+        return
+    with timing.codec_section(namespace, layer_input.device):
+        if earlier is not None and earlier[2] is not None:
             earlier[2].settle()  # its all-reduce is in flight: finish it, drop it
-    # A layer that reads the input of one recorded earlier this step (q, k and v; w1 and w3) shares its statistics.
-    taken = [statistics for _, _, statistics in route.pending.values() if statistics is not None]
-    route.pending[fqn] = begin_eagerly(route.plans[fqn], EagerAccess(runtime), layer_input, taken)
+        # A layer that reads the input of one recorded earlier this step (q, k and v; w1 and w3) shares its statistics.
+        taken = [statistics for _, _, statistics in route.pending.values() if statistics is not None]
+        route.pending[fqn] = begin_eagerly(route.plans[fqn], EagerAccess(runtime), layer_input, taken)
 
 
 @record_input.register_fake

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from gift_compile import policy
-from gift_compile.collectives import WireFormat, all_reduce_bytes
+from gift_compile.collectives import WireFormat, all_reduce_bytes, received
 from gift_compile.policy import Plan
 from gift_compile.comm import Reduction, gather_residual_shape, quantized_reduce
 from gift_compile.config import GiftConfig
@@ -170,7 +170,7 @@ def current_factors(
     plan: LayerPlan, sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor
 ) -> CurrentFactors:
     """Wait for the summed sketch and derive the factors: once per input, for every layer that reads it."""
-    summed = c10d.wait_tensor(sketch).float()
+    summed = received(sketch).float()
     return whitening_from_sketch(summed, basis, scale, damping)
 
 
@@ -257,7 +257,7 @@ class InputStatistics:
     def settle(self) -> None:
         """Finish the all-reduce of statistics that no step will use (a forward with no backward)."""
         if self._factors is None and not self._settled:
-            c10d.wait_tensor(self.sketch)
+            received(self.sketch)
             self._settled = True
 
 

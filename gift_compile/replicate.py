@@ -19,7 +19,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.nn.utils import parametrize
 
-from gift_compile.collectives import resolve_group, waited
+from gift_compile.collectives import resolve_group
 
 
 class _AverageGradient(torch.autograd.Function):
@@ -30,7 +30,8 @@ class _AverageGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return waited(funcol.all_reduce(grad, "avg", ctx.group)), None
+        reduced = funcol.all_reduce(grad, "avg", ctx.group)  # traced: followed by its wait_tensor
+        return (reduced.wait() if isinstance(reduced, funcol.AsyncCollectiveTensor) else reduced), None
 
 
 class AverageGradient(nn.Module):

@@ -12,11 +12,22 @@ Each tick closes the segment since the previous one. On CPU the host executes ev
 is called, so host time is the time; on a GPU each tick records a CUDA event on the current
 stream and the segments are read from the events when the totals are taken (one sync per
 report, none per tick).
+
+The standard FSDP2 trainer runs no graph of ours: FSDP2 calls GIFT's reduce-scatter from its own
+hook, and its codec is one Inductor call per parameter with the collective and its wait inside.
+There the trainer opens and closes each step (``tick("compute")`` ... ``tick(None)``), the
+hooks run as :func:`codec_section`, and inside a section every collective's wait is
+``gift::timed_wait`` (``collectives.py`` issues each collective and waits explicitly), which
+ticks ``wait`` before it blocks and ``codec`` after, from inside the compiled call. CPU only:
+on a GPU FSDP2 runs that hook on its reduce-scatter stream, beside the backward, where host
+time says nothing and stream time does not split the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +128,66 @@ def tick(namespace: str, kind: str | None, device: torch.device | None = None) -
 torch.fx.node.has_side_effect(tick)  # no output: dead-code elimination must keep it
 
 
+_timed_waits: str | None = None
+"""The namespace whose timer the collectives' waits tick, inside a :func:`codec_section`; else None."""
+
+
+def timed_waits_namespace() -> str | None:
+    """Where ``collectives.received`` sends its waits (read when a codec is traced: Dynamo guards on it)."""
+    return _timed_waits
+
+
+@contextlib.contextmanager
+def timed_step(namespace: str, device: torch.device) -> Iterator[None]:
+    """One forward-backward as a step of the time meter, for a trainer that runs no graph of ours
+    (module docstring); on CPU only."""
+    if device.type != "cpu":
+        yield
+        return
+    timer(namespace).tick("compute")
+    try:
+        yield
+    finally:
+        timer(namespace).tick(None)
+
+
+@contextlib.contextmanager
+def codec_section(namespace: str, device: torch.device) -> Iterator[None]:
+    """Time host code of GIFT's codec that runs outside any graph (module docstring) as
+    ``codec``, its collectives' waits as ``wait``, and go back to the kind it interrupted. Does
+    nothing outside a timed step (the trainer opens none on a GPU) and inside another section."""
+    global _timed_waits
+    timer_ = timer(namespace)
+    interrupted = timer_._kind
+    if device.type != "cpu" or interrupted is None or _timed_waits is not None:
+        yield
+        return
+    timer_.tick("codec")
+    _timed_waits = namespace
+    try:
+        yield
+    finally:
+        _timed_waits = None
+        timer_.tick(interrupted)
+
+
+@torch.library.custom_op("gift::timed_wait", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def timed_wait(received: torch.Tensor, namespace: str) -> torch.Tensor:
+    """``wait_tensor`` timed as ``wait`` inside a :func:`codec_section`, compiled calls included."""
+    tick(namespace, "wait")
+    torch.ops._c10d_functional.wait_tensor(received)
+    tick(namespace, "codec")
+    return received.clone()  # a custom op's output may not alias its input
+
+
+@timed_wait.register_fake
+def _(received, namespace):
+    return torch.empty_like(received)
+
+
+torch.fx.node.has_side_effect(torch.ops.gift.timed_wait.default)
+
+
 def gradient_waits(graph: fx.Graph) -> set[fx.Node]:
     """The waits of the gradient collectives the GIFT pass marked."""
     return {u for n in graph.nodes if n.meta.get(GRADIENT_COMM) for u in n.users if u.target is WAIT}
@@ -146,4 +217,4 @@ def instrument(graph: fx.Graph, namespace: str) -> int:
     return ticks
 
 
-__all__ = ["CODEC", "KINDS", "StepTimer", "gradient_waits", "instrument", "tick", "timer"]
+__all__ = ["CODEC", "KINDS", "StepTimer", "codec_section", "gradient_waits", "instrument", "tick", "timed_step", "timed_waits_namespace", "timer"]

@@ -153,6 +153,58 @@ def test_a_forward_without_backward_changes_nothing(ranks, factor_source):
         assert same == [True, True, True]
 
 
+def timed_fsdp_steps(rank, world, compile_codec, delay=0.5):
+    """The time meter on the FSDP route (timing.py): per rank, a step outside ``timed_step``, then
+    two timed ones, in the second of which rank 1's first codec call sleeps ``delay`` seconds."""
+    import time
+
+    from gift_compile import timing
+    from gift_compile.fsdp import FsdpRoute
+
+    namespace = f"timed-{compile_codec}"
+    model, _, runtime = sharded_mixed(world, GiftConfig(layers=("up",), low_rank=8), namespace, compile_codec=compile_codec)
+    route, cpu = FsdpRoute.of(runtime), torch.device("cpu")
+    meter = timing.timer(namespace)
+    model(tokens_of(0, rank)).backward()  # outside a timed step (the compile): nothing is timed
+    untimed = meter.take()["step"]
+    seconds = []
+    for step, sleeps in ((1, False), (2, rank == 1)):
+        codec, slept = route.codec, []
+
+        def late_codec(*args, **kwargs):
+            if sleeps and not slept:
+                slept.append(time.sleep(delay))  # inside the reduce-scatter hook: codec time, and a wait for the peer
+            return codec(*args, **kwargs)
+
+        route.codec = late_codec
+        start = time.perf_counter()
+        with timing.timed_step(namespace, cpu):
+            model(tokens_of(step, rank)).backward()
+        wall = time.perf_counter() - start
+        route.codec = codec
+        seconds.append({**meter.take(), "wall": wall})
+    return untimed, seconds
+
+
+@pytest.mark.parametrize("compile_codec", [True, False])
+def test_the_time_meter_splits_the_reduce_scatter_into_codec_and_waiting(ranks, compile_codec):
+    # The standard trainer runs no graph of ours, so the time meter's ticks come from its hooks
+    # and from gift::timed_wait, which on the compiled codec runs inside the Inductor call.
+    # Rank 1 sleeps 0.5 s in its codec: rank 0 must see that as waiting for communication (it
+    # blocks in its first collective with rank 1 after the sleep began), rank 1 as codec.
+    delay = 0.5
+    (untimed0, (plain0, late0)), (untimed1, (plain1, late1)) = ranks(2).run(timed_fsdp_steps, compile_codec, delay)
+    assert untimed0 == untimed1 == 0.0  # no step opened: the hooks ticked nothing
+    for seconds in (plain0, late0, plain1, late1):
+        assert seconds["codec"] > 0 and seconds["wait"] >= 0 and seconds["compute"] > 0
+        # the segments tile the step: from its opening tick to its closing one
+        assert abs(seconds["step"] - seconds["wall"]) < 0.01 * seconds["wall"] + 1e-3
+    # 0.8 x delay: rank 0 may have been a little behind rank 1 when the sleep began
+    assert late0["wait"] >= 0.8 * delay and late0["codec"] < late0["wait"]
+    assert late1["codec"] >= delay and late1["wait"] < 0.5 * delay
+    assert plain0["wait"] < 0.5 * delay  # no sleep: no such wait
+
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -18,7 +18,7 @@ pytest.importorskip("torchtitan")
 pytestmark = pytest.mark.slow  # each test runs gift-titan jobs: ~30-90 s
 
 from gift_compile.testing.ranks import free_port  # noqa: E402
-from gift_compile.testing.titan_jobs import JobResult, concurrently, resume, run_job, run_nodes, write_job  # noqa: E402
+from gift_compile.testing.titan_jobs import JobResult, check_time_meter, concurrently, resume, run_job, run_nodes, write_job  # noqa: E402
 
 STEPS, CHECKPOINT = 10, 5
 GIFT = {"enabled": True, "layers": ["wqkv", "wo"], "meter_interval": 5}
@@ -65,6 +65,14 @@ def test_loss_decreases_like_the_fp32_run(runs):
     # these steps the loss stays within 2% of the fp32 run's, step by step.
     for step, (a, b) in enumerate(zip(ours, theirs), 1):
         assert abs(a - b) <= 0.02 * b, (step, a, b)
+
+
+def test_the_time_meter_reports_codec_and_waiting(runs):
+    # No graph of ours runs on this trainer: the step is the trainer's forward-backward, the
+    # codec its hooks (the forward statistics, the reduce-scatter), the waits gift::timed_wait
+    # inside the compiled codec (timing.py). Two nodes always wait for each other a little.
+    check_time_meter(runs.gift, STEPS)
+    assert all(runs.gift.series("gift/comm_wait_s")[step] > 0 for step in range(2, STEPS + 1))
 
 
 def test_selected_layers_take_the_gift_path_and_bytes_drop_to_a_quarter(runs):

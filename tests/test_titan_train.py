@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torchtitan")
 pytestmark = pytest.mark.slow  # gift-titan jobs: ~1.5 minutes for the module
 
-from gift_compile.testing.titan_jobs import JobResult, concurrently, run_job, write_job  # noqa: E402
+from gift_compile.testing.titan_jobs import JobResult, check_time_meter, concurrently, run_job, write_job  # noqa: E402
 from gift_compile.titan_integration.cpu_support import FSDP_BUCKETING_PASS  # noqa: E402
 
 STEPS, CHECKPOINT, PROFILE = 10, 5, 2
@@ -98,27 +98,7 @@ def test_overlap_and_the_time_meter_reach_the_final_graph_and_the_metrics(runs):
     assert FSDP_BUCKETING_PASS in applied
     prefetched = [int(m) for m in re.findall(r"(\d+) parameter all-gathers prefetched", first.log)]
     assert prefetched and min(prefetched) > 0
-    # the time meter: present every step, shares add up (codec + wait <= the graph's step, which
-    # is at most the wall time from one step's record to the next)
-    times = {r["step"]: r["time"] for r in first.records if "loss" in r}
-    for step in range(2, STEPS + 1):
-        codec, wait = first.series("gift/codec_s")[step], first.series("gift/comm_wait_s")[step]
-        share = first.series("gift/comm_share")[step]
-        assert codec > 0 and wait >= 0 and 0 < share <= 1
-        assert codec + wait <= times[step] - times[step - 1]
-    # ... and over the run from step 2 (step 1 compiles), on the last line of rank 0's counters
-    # table (the metrics are rank 0's; each rank logs its table in one message): the same seconds
-    rank0 = first.log.partition("per-layer counters (rank 0)")[2]
-    line = re.search(r"time meter, (\d+) steps after the first: ([\d.]+) s/step = codec ([\d.]+) \+ waiting for gradient communication "
-                     r"([\d.]+) \+ other compute ([\d.]+); codec and waiting (\d+)% of the step", rank0)
-    assert line, first.log[-3000:]
-    counted, step_s, codec, wait, compute, share = (float(x) for x in line.groups())
-    assert counted == STEPS - 1
-    assert abs(codec + wait + compute - step_s) <= 0.002  # printed to 3 decimals
-    for printed, name in ((codec, "codec_s"), (wait, "comm_wait_s")):  # one record per step: the run's mean is theirs
-        series = first.series(f"gift/{name}")
-        assert abs(printed - sum(series[step] for step in range(2, STEPS + 1)) / (STEPS - 1)) <= 0.0006
-    assert abs(share - 100 * (codec + wait) / step_s) <= 1
+    check_time_meter(first, STEPS)
     assert first.last("gift/collectives_per_step") > 0 and first.last("gift/collectives_per_step_traced") > 0
 
 

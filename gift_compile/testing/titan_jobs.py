@@ -65,6 +65,30 @@ class JobResult:
         return self
 
 
+def check_time_meter(job: JobResult, steps: int) -> None:
+    """Assert that the time meter (``timing.py``) reported every step after the first with parts
+    that add up: codec + wait <= the step, itself at most the wall time from one step's record
+    to the next; and, over the run from step 2 (step 1 compiles), on the last line of rank 0's
+    counters table (the metrics are rank 0's), the same seconds."""
+    times = {r["step"]: r["time"] for r in job.records if "loss" in r}
+    for step in range(2, steps + 1):
+        codec, wait = job.series("gift/codec_s")[step], job.series("gift/comm_wait_s")[step]
+        share = job.series("gift/comm_share")[step]
+        assert codec > 0 and wait >= 0 and 0 < share <= 1, (step, codec, wait, share)
+        assert codec + wait <= times[step] - times[step - 1], (step, codec, wait)
+    rank0 = job.log.partition("per-layer counters (rank 0)")[2]  # each rank logs its table in one message
+    line = re.search(r"time meter, (\d+) steps after the first: ([\d.]+) s/step = codec ([\d.]+) \+ waiting for gradient communication "
+                     r"([\d.]+) \+ other compute ([\d.]+); codec and waiting (\d+)% of the step", rank0)
+    assert line, job.log[-3000:]
+    counted, step_s, codec, wait, compute, share = (float(x) for x in line.groups())
+    assert counted == steps - 1
+    assert abs(codec + wait + compute - step_s) <= 0.002  # printed to 3 decimals
+    for printed, name in ((codec, "codec_s"), (wait, "comm_wait_s")):  # one record per step: the run's mean is theirs
+        series = job.series(f"gift/{name}")
+        assert abs(printed - sum(series[step] for step in range(2, steps + 1)) / (steps - 1)) <= 0.0006
+    assert abs(share - 100 * (codec + wait) / step_s) <= 1
+
+
 def write_job(path: Path, config: str, *, steps: int, gift: dict[str, Any], nproc: int = 2, checkpoint_every: int | None = None) -> Path:
     """A job file for ``config`` on the bundled corpus: ``steps`` steps, seed 0, metrics every step."""
     lines = ["[launch]", f"nproc = {nproc}", f'config = "{config}"', "", "[training]", f"steps = {steps}", "",
@@ -156,4 +180,4 @@ def read_counters(dump_folder: Path) -> dict[int, dict[str, Any]]:
     return {int(f.stem.removeprefix("gift_counters_rank")): json.loads(f.read_text()) for f in files}
 
 
-__all__ = ["JobResult", "concurrently", "read_counters", "read_records", "resume", "run_job", "run_nodes", "write_job"]
+__all__ = ["check_time_meter", "JobResult", "concurrently", "read_counters", "read_records", "resume", "run_job", "run_nodes", "write_job"]

@@ -204,7 +204,7 @@ class GiftSession:
         out["gift/collectives_per_step"] = accounting.collective_calls or None
         out["gift/collectives_per_step_traced"] = accounting.collective_calls_traced or None
         seconds = timing.timer(NAMESPACE).take()
-        if seconds["step"] > 0:  # the graph route's time meter (timing.py): per step since the last log line
+        if seconds["step"] > 0:  # the time meter (timing.py; CPU on the standard trainer): per step since the last log line
             out["gift/codec_s"], out["gift/comm_wait_s"], out["gift/compute_s"] = seconds["codec"], seconds["wait"], seconds["compute"]
             out["gift/comm_share"] = (seconds["codec"] + seconds["wait"]) / seconds["step"]
         out["gift/profiling"] = int(self.profiling)
@@ -234,7 +234,7 @@ class GiftSession:
         record_metrics(self.dump_folder, step, **values)
 
     def summary(self) -> str:
-        """The per-layer counters table, and the time meter's line where the route has one (graph_trainer)."""
+        """The per-layer counters table, and the time meter's line where it ran (timing.py)."""
         timed = timing.timer(NAMESPACE).summary()
         return self.runtime.table() + (f"\n{timed}" if timed else "")
 

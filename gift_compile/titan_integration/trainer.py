@@ -23,7 +23,8 @@ from torchtitan.trainer import Trainer
 
 from gift_compile.titan_integration.config import GiftSection
 from gift_compile.titan_integration.graph_pass import register_pipeline
-from gift_compile.titan_integration.session import GiftSession, record_metrics
+from gift_compile import timing
+from gift_compile.titan_integration.session import NAMESPACE, GiftSession, record_metrics
 
 register_pipeline()
 
@@ -130,6 +131,14 @@ class GiftTrainer(_GiftCounters, Trainer):
         if self.gift_session is not None:
             self.gift_session.before_step(self.step)
         super().train_step(data_iterator)
+
+    def forward_backward_step(self, **kwargs):
+        # No graph of ours runs here: the time meter's step is opened and closed around the
+        # forward-backward, as graph_trainer's joint graph is (timing.py).
+        if self.gift_session is None:
+            return super().forward_backward_step(**kwargs)
+        with timing.timed_step(NAMESPACE, self.device):
+            return super().forward_backward_step(**kwargs)
 
 
 __all__ = ["GiftGraphTrainer", "GiftTrainer"]
