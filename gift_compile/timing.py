@@ -1,8 +1,9 @@
 """Where a step's time goes: GIFT's codec, waiting for gradient communication, everything else.
 
 So a user can tell whether the link or the codec bounds their step (and whether FP8/GIFT pays
-on their cluster), a graph that runs as ordered Python (graph_trainer's joint graph) gets a
-``tick`` call wherever its nodes change kind (:func:`instrument`):
+on their cluster), each step is cut into segments of three kinds by ``tick`` calls: a graph that
+runs as ordered Python (graph_trainer's joint graph) gets one wherever its nodes change kind
+(``passes/time_meter.py``):
 
 * ``codec``: what GIFT added (statistics, whitening, encoding, decoding, issuing collectives);
 * ``wait``: blocking on a gradient collective's result (``wait_tensor``);
@@ -31,13 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import fx
-
-from gift_compile.passes.overlap import GRADIENT_COMM, WAIT
 
 KINDS = ("codec", "wait", "compute")
-CODEC = "gift_codec"
-"""``node.meta`` key the GIFT pass sets on every node it adds."""
 
 
 @dataclass
@@ -71,6 +67,11 @@ class StepTimer:
             self.steps += 1
             self.run_steps += counted
             self.first_step_done = True
+
+    @property
+    def kind(self) -> str | None:
+        """The kind of the running segment; None between steps."""
+        return self._kind
 
     def take(self) -> dict[str, float]:
         """Seconds per step and kind since the last call (and ``step``, their sum); then reset."""
@@ -158,7 +159,7 @@ def codec_section(namespace: str, device: torch.device) -> Iterator[None]:
     nothing outside a timed step (the trainer opens none on a GPU) and inside another section."""
     global _timed_waits
     timer_ = timer(namespace)
-    interrupted = timer_._kind
+    interrupted = timer_.kind
     if device.type != "cpu" or interrupted is None or _timed_waits is not None:
         yield
         return
@@ -188,33 +189,4 @@ def _(received, namespace):
 torch.fx.node.has_side_effect(torch.ops.gift.timed_wait.default)
 
 
-def gradient_waits(graph: fx.Graph) -> set[fx.Node]:
-    """The waits of the gradient collectives the GIFT pass marked."""
-    return {u for n in graph.nodes if n.meta.get(GRADIENT_COMM) for u in n.users if u.target is WAIT}
-
-
-def kind_of(node: fx.Node, gradient_waits: set[fx.Node]) -> str:
-    if node in gradient_waits:
-        return "wait"
-    return "codec" if node.meta.get(CODEC) else "compute"
-
-
-def instrument(graph: fx.Graph, namespace: str) -> int:
-    """Insert a ``tick`` before every node whose kind differs from the previous node's, and at
-    the end; returns the number of ticks. For graphs that run as ordered (not through Inductor)."""
-    waits = gradient_waits(graph)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    device = next((n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
-    ticks, previous = 0, None
-    for node in list(graph.nodes):
-        if node.op == "placeholder":
-            continue
-        kind = None if node.op == "output" else kind_of(node, waits)
-        if kind != previous:
-            with graph.inserting_before(node):
-                graph.call_function(tick, (namespace, kind, device))
-            ticks, previous = ticks + 1, kind
-    return ticks
-
-
-__all__ = ["CODEC", "KINDS", "StepTimer", "codec_section", "gradient_waits", "instrument", "tick", "timed_step", "timed_waits_namespace", "timer"]
+__all__ = ["KINDS", "StepTimer", "codec_section", "tick", "timed_step", "timed_waits_namespace", "timer"]

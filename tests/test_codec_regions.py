@@ -9,7 +9,7 @@ from torch.fx.passes.regional_inductor import _create_inductor_marked_regions
 
 from graph_render import ancestors
 
-from gift_compile import timing
+from gift_compile.passes import time_meter
 from gift_compile.passes.overlap import GRADIENT_COMM
 from gift_compile.titan_integration.graph_pass import compile_codec_regions, keep_codec_marks
 
@@ -25,7 +25,7 @@ def two_layer_graph() -> fx.GraphModule:
         n = graph.call_function(target, args)
         n.meta["val"] = torch.empty(8)
         if codec:
-            n.meta[timing.CODEC] = True
+            n.meta[time_meter.CODEC] = True
         return n
 
     inputs = [graph.placeholder(f"x{k}") for k in range(2)]
@@ -37,7 +37,7 @@ def two_layer_graph() -> fx.GraphModule:
     sent.append(node(aten.mul.Tensor, grads[1], 2.0, codec=True))
     comms.append(node(c10d.all_to_all_single.default, sent[1], [4, 4], [4, 4], "0"))
     for c in comms:  # as the GIFT pass marks them
-        c.meta[timing.CODEC] = c.meta[GRADIENT_COMM] = True
+        c.meta[time_meter.CODEC] = c.meta[GRADIENT_COMM] = True
     decoded = [node(aten.add.Tensor, node(c10d.wait_tensor.default, c), 1.0, codec=True) for c in comms]
     graph.output(tuple(decoded))
     return fx.GraphModule(torch.nn.Module(), graph)
@@ -74,8 +74,8 @@ def test_the_time_meter_counts_compiled_regions_as_codec():
     gm = two_layer_graph()
     compile_codec_regions(gm.graph)
     fused = keep_codec_marks(_create_inductor_marked_regions)(gm)
-    waits = timing.gradient_waits(fused.graph)
-    kinds = {n: timing.kind_of(n, waits) for n in fused.graph.nodes if n.op in ("call_function", "call_module")}
+    waits = time_meter.gradient_waits(fused.graph)
+    kinds = {n: time_meter.kind_of(n, waits) for n in fused.graph.nodes if n.op in ("call_function", "call_module")}
     regions = [n for n in kinds if n.op == "call_module"]
     assert len(regions) == 4 and all(kinds[n] == "codec" for n in regions), kinds
     assert [n.target for n, kind in kinds.items() if kind == "compute"] == [aten.relu.default] * 2

@@ -6,7 +6,7 @@ from gift_compile.package_graph import import_graph as graph
 
 # Lower layers first; a module may import only from its own layer or lower ones.
 LAYERS = [
-    {"config", "package_graph", "static_compile"},
+    {"config", "package_graph", "static_compile", "timing"},
     {"numerics", "geometry", "selection"},
     {"fp4"},
     {"collectives", "agreement"},
@@ -18,7 +18,7 @@ LAYERS = [
     {"layer_step"},
     {"ops", "fsdp", "replicate"},
     {"passes.graph_utils", "passes.overlap"},
-    {"timing"},
+    {"passes.time_meter"},
     {"passes.gift_collectives"},
     {"passes.compiled_autograd"},
     {"backend", "reference"},

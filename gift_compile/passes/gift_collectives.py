@@ -64,7 +64,7 @@ from gift_compile.layer_step import CurrentFactors, LayerPlan, current_factors, 
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
 from gift_compile.passes.overlap import STATISTICS, mark_gradient_collectives
-from gift_compile.timing import CODEC
+from gift_compile.passes.time_meter import CODEC
 from gift_compile.policy import ParamKind, Plan
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ from torch import fx
 from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.passes import gift_collectives as gc
-from gift_compile import timing
+from gift_compile.passes import time_meter
 from gift_compile.passes.overlap import COLLECTIVE_OPS, mark_gradient_collectives, overlap_gradient_collectives, prefetched_all_gathers
 from gift_compile.runtime import get_runtime
 
@@ -110,7 +110,7 @@ def compile_codec_regions(graph: fx.Graph) -> int:
     j's encode (before j's collective): the fused call runs after k's wait, so j's bytes could
     not leave before k's arrived and the communication would run serially after all."""
     codec = [node for node in graph.nodes
-             if node.meta.get(timing.CODEC) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+             if node.meta.get(time_meter.CODEC) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
              and node.target.namespace in ("aten", "prims")]
     parent = {node: node for node in codec}
 
@@ -142,15 +142,15 @@ def keep_codec_marks(regional_pass):
     def run(gm: fx.GraphModule, *args, **kwargs) -> fx.GraphModule:
         before = {n.name for n in gm.graph.nodes}  # by name: the pass may rebuild the graph from copies
         gm = regional_pass(gm, *args, **kwargs)
-        waits = timing.gradient_waits(gm.graph)
+        waits = time_meter.gradient_waits(gm.graph)
         new = [n for n in gm.graph.nodes if n.name not in before and n.op in ("call_function", "call_module")]
         changed = True
         while changed:
             changed = False
             for node in new:
-                if not node.meta.get(timing.CODEC) and any(
-                        x.meta.get(timing.CODEC) or x in waits for x in (*node.all_input_nodes, *node.users)):
-                    node.meta[timing.CODEC] = changed = True
+                if not node.meta.get(time_meter.CODEC) and any(
+                        x.meta.get(time_meter.CODEC) or x in waits for x in (*node.all_input_nodes, *node.users)):
+                    node.meta[time_meter.CODEC] = changed = True
         return gm
 
     run.__name__ = getattr(regional_pass, "func", regional_pass).__name__  # the pass keeps its name in graph_trainer's log
@@ -238,7 +238,7 @@ def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str
     ctx.accounting.collective_calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
     log.info("GIFT final graph: %d collectives per step, %d parameter all-gathers prefetched",
              ctx.accounting.collective_calls, prefetched_all_gathers(gm.graph))
-    timing.instrument(gm.graph, namespace)
+    time_meter.instrument(gm.graph, namespace)
     gm.recompile()
     return gm
 
