@@ -114,9 +114,10 @@ c10d = torch.ops._c10d_functional
 
 
 # The collectives below are issued as the raw functional ops and waited on explicitly
-# (:func:`received`), not through ``_functional_collectives``, whose traced form waits at once: so a
-# traced graph holds one ``wait_tensor`` per collective (which the overlap pass may move), and
-# the FSDP route's time meter can swap that wait for one that it times (``timing.codec_section``).
+# (:func:`received`), not through ``_functional_collectives``, which puts its own ``wait_tensor``
+# right after each collective it traces. The graphs are the same (the overlap pass moves those
+# waits); the explicit wait is what the FSDP route's time meter swaps for a timed one
+# (``timing.codec_section``).
 
 
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

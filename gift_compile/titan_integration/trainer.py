@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 from torchtitan.trainer import Trainer
 
+from gift_compile import timing
 from gift_compile.titan_integration.config import GiftSection
 from gift_compile.titan_integration.graph_pass import register_pipeline
-from gift_compile import timing
 from gift_compile.titan_integration.session import NAMESPACE, GiftSession, record_metrics
 
 register_pipeline()
