@@ -156,9 +156,9 @@ def meter_codecs() -> list[Codec]:
 
 
 def meter_twin(codec: Codec) -> str:
-    """The codec the live meter of whitened ``codec`` compares it with (its route, its error feedback)."""
+    """The codec the live meter of whitened ``codec`` compares it with (its route, its wire, its error feedback)."""
     route = "all-reduce: " if codec.collective == "all_reduce" else ""
-    return f"{route}Euclidean FP8{' + EF' if codec.config.error_feedback else ''}"
+    return f"{route}Euclidean {codec.config.gift_dtype.upper()}{' + EF' if codec.config.error_feedback else ''}"
 
 
 def damping_codecs() -> list[Codec]:
@@ -176,8 +176,20 @@ def patience_codecs() -> list[Codec]:
                                        fp8.replace(fallback_patience=n)) for n in (3, 2, 1)])
 
 
+def fp4_strength_codecs() -> list[Codec]:
+    """GIFT-FP4 (no error feedback) at its default damping and at lower (stronger whitening) and
+    higher ones, beside the Euclidean codecs the tables compare with: what whitening strength buys on FP4."""
+    fp8 = GiftConfig(layers=())
+    fp4 = fp8.replace(gift_dtype="fp4", euclidean_dtype="fp4")
+    out = [Codec(f"Euclidean {wire}{' + EF' if ef else ''}", config.replace(euclidean_error_feedback=ef), whitened=False)
+           for wire, config in (("FP8", fp8), ("FP4", fp4)) for ef in (False, True)]
+    gift = fp4.replace(error_feedback=False)
+    return out + [Codec("GIFT FP4, no EF" + ("" if damping == gift.damping else f", damping {damping}"), gift.replace(damping=damping))
+                  for damping in (gift.damping, 0.3, 0.1, 3.0, 10.0)]
+
+
 CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs, "damping": damping_codecs,
-              "patience": patience_codecs}
+              "patience": patience_codecs, "fp4_strength": fp4_strength_codecs}
 
 
 def codecs() -> list[Codec]:
@@ -604,7 +616,8 @@ def main() -> None:
                              "(writes fidelity_loop_fp4.md); stats: GIFT's statistics in fp32 or bf16 (fidelity_loop_stats.md); meter: the live "
                              "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md); "
                              "damping: fixed against adaptive damping (fidelity_loop_damping.md); patience: the fallback's "
-                             "patience at 3, 2 and 1 readings (fidelity_loop_patience.md)")
+                             "patience at 3, 2 and 1 readings (fidelity_loop_patience.md); fp4_strength: GIFT-FP4 at "
+                             "lower dampings and rank 64 (fidelity_loop_fp4_strength.md)")
     parser.add_argument("--results", help="stem of the result files in benchmarks/results (default: from --codecs)")
     args = parser.parse_args()
     if args.quick:
