@@ -617,7 +617,7 @@ def main() -> None:
                              "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md); "
                              "damping: fixed against adaptive damping (fidelity_loop_damping.md); patience: the fallback's "
                              "patience at 3, 2 and 1 readings (fidelity_loop_patience.md); fp4_strength: GIFT-FP4 at "
-                             "lower dampings and rank 64 (fidelity_loop_fp4_strength.md)")
+                             "dampings 0.1 to 10 (fidelity_loop_fp4_strength.md)")
     parser.add_argument("--results", help="stem of the result files in benchmarks/results (default: from --codecs)")
     args = parser.parse_args()
     if args.quick:
