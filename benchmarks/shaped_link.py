@@ -25,6 +25,7 @@ is missing. The namespaces it creates are always removed, also on Ctrl-C or a cr
     sudo python benchmarks/shaped_link.py --variants fp8 gift fp4 gift_fp4 --rates 50 200
     sudo python benchmarks/shaped_link.py --variants fp4 gift_fp4 --rates 50 --merge   # add cells to the saved table
     sudo python benchmarks/shaped_link.py --rates 200 --results shaped_link_200          # a table of its own
+    sudo python benchmarks/shaped_link.py --rates 200 --modes replicate --variants fp8 gift gift_no_statistics gift_no_ef
     python benchmarks/shaped_link.py --render benchmarks/results/shaped_link.json    # the table again
 """
 
@@ -71,6 +72,11 @@ UNBUCKETED = ["--compile.disable_passes", "selective_activation_remat_pass,joint
 VARIANTS.update({f"{name}_unbucketed": [*VARIANTS[name], *UNBUCKETED] for name in ("fp32", "fp8", "gift")})
 VARIANTS["gift_bf16_stats"] = [*VARIANTS["gift"], "--gift.stats_dtype", "bf16"]
 VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", "bf16"]
+# GIFT with a part switched off, to see what each costs: no per-step statistics (the sketch, its
+# all-reduce and the factorization; periodic factors never refreshed after the first step, so
+# the codec whitens with T = I and does all its other work), and no error feedback.
+VARIANTS["gift_no_statistics"] = [*VARIANTS["gift"], "--gift.factor_source", "periodic", "--gift.refresh_interval", "2147483647"]
+VARIANTS["gift_no_ef"] = [*VARIANTS["gift"], "--gift.no-error_feedback"]
 DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]
 
 
