@@ -74,7 +74,8 @@ VARIANTS["gift_bf16_stats"] = [*VARIANTS["gift"], "--gift.stats_dtype", "bf16"]
 VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", "bf16"]
 # GIFT with a part switched off, to see what each costs: no per-step statistics (the sketch, its
 # all-reduce and the factorization: periodic factors, computed at the first step and never
-# again, so the codec does all its other work with them), and no error feedback.
+# again, so the codec does all its other work with them; the interval is config.MAX_INT, spelled
+# out as above), and no error feedback.
 VARIANTS["gift_no_statistics"] = [*VARIANTS["gift"], "--gift.factor_source", "periodic", "--gift.refresh_interval", "2147483647"]
 VARIANTS["gift_no_ef"] = [*VARIANTS["gift"], "--gift.no-error_feedback"]
 DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]
