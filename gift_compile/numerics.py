@@ -40,30 +40,13 @@ def fp8_max(fmt: str) -> float:
     return torch.finfo(fp8_dtype(fmt)).max
 
 
-# FP8 values through fp16, for CPUs. Inductor's CPU code decodes float8 by a conversion routine
-# per element (6-13 ns per element, in every kernel the decode fuses into: the largest share of
-# a compiled codec's time); a few int16 ops and the hardware's fp16 conversion take ~1.5 ns.
-# Both formats are fp16 with fewer bits: e5m2 is fp16's top byte, and e4m3's 7 magnitude
-# bits in fp16's exponent and mantissa fields read as the value / 2^8 (normal and subnormal
-# alike: the two biases differ by 8), which a power-of-two factor folded into the scale
-# restores exactly. The values are torch's cast's, every code (tests/test_numerics.py). The
-# encoder keeps torch's cast: exact vector encoders measured 10-35% faster per call but cost
-# 35-80% more Inductor compile time (benchmarks/results/codec_traffic.md).
-_FP16_SHIFT = {"e4m3": 2.0**8, "e5m2": 1.0}
-"""What an FP8 code's value is times the fp16 number its bits are placed in."""
-
-
+# Decoding is torch's own cast. Inductor's CPU code vectorizes float8 conversions (float8 is
+# among its vector dtypes, int16 is not), so a kernel the codec fuses into stays a vector loop
+# only if every op in it has a vector form: an earlier decode through fp16's bits with int16
+# shifts made every such kernel scalar, 2-3x slower (benchmarks/results/codec_traffic.md).
 def fp8_values(payload: torch.Tensor, fmt: str, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
     """fp32 ``payload.view(fp8).float() * scale`` for FP8 bits in a ``uint8`` tensor."""
-    dtype = fp8_dtype(fmt)
-    if payload.device.type != "cpu":
-        return payload.view(dtype).float() * scale
-    code = payload.to(torch.int16)
-    half = code << 8 if fmt == "e5m2" else ((code & 0x80) << 8) | ((code & 0x7F) << 7)
-    value = half.view(torch.float16).float() * (scale * _FP16_SHIFT[fmt])  # 2^k * scale: exact
-    if fmt == "e4m3":  # e4m3fn: no Inf, one NaN code per sign
-        value = torch.where((code & 0x7F) == 0x7F, float("nan"), value)
-    return value
+    return payload.view(fp8_dtype(fmt)).float() * scale
 
 
 def block_amax(x: torch.Tensor, blocks: int = 1) -> torch.Tensor:

@@ -19,7 +19,6 @@ from gift_compile.numerics import (
     FP8_DTYPES,
     fp8_max,
     fp8_round_trip,
-    fp8_values,
     quantize,
 )
 
@@ -41,19 +40,40 @@ def test_round_trip_error_bound(fmt, blocks):
     assert fidelity(back, x).rel_l2 <= 2.0 ** -(MANTISSA_BITS[fmt] + 1)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def hard_fp8_inputs(fmt: str) -> torch.Tensor:
+    """Every finite FP8 value, every midpoint between neighbours (round-half-to-even ties) and
+    the fp32 numbers either side of each midpoint, signed zeros, NaN and a random bulk; an odd
+    length, so a vector loop's tail is covered too."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPES[fmt]).float()
+    values = values[values.isfinite()].unique()
+    midpoints = ((values[1:].double() + values[:-1].double()) / 2).float()  # exact in fp32
+    inf = torch.tensor(float("inf"))
+    bulk = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * fp8_max(fmt) / 4
+    x = torch.cat([values, midpoints, midpoints.nextafter(inf), midpoints.nextafter(-inf), bulk,
+                   torch.tensor([0.0, -0.0, float("nan")])])
+    return torch.cat([x, -x])
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_fp8_values_are_torchs_cast(fmt, compiled):
-    # On CPU the codec decodes FP8 bits through fp16 (numerics.fp8_values); torch's own cast is
-    # the definition: for every one of the 256 codes, times scales that are powers of two, not,
-    # tiny (products fall to fp32 subnormals) and huge (the largest an amax can give), the same
-    # fp32 bits (signed zeros too) or NaN.
-    dtype = FP8_DTYPES[fmt]
-    decode = torch.compile(fp8_values) if compiled else fp8_values
-    codes = torch.arange(256, dtype=torch.uint8)
+def test_compiled_fp8_codec_is_eagers_bit_for_bit(fmt):
+    # Inductor compiles the cast to and from float8 into vector code; eager runs ATen's
+    # conversion. The codec's compiled-vs-eager bit-exactness rests on the two agreeing on every
+    # code and every rounding tie. Scale 1 (amax = fp8_max) puts the ties exactly where they are.
+    x = hard_fp8_inputs(fmt)
+    amax = torch.tensor([fp8_max(fmt)])
+    eager_payload, _ = quantize(x, fmt, amax=amax)
+    compiled_payload, _ = torch.compile(quantize, fullgraph=True)(x, fmt, amax=amax)
+    number = ~x.isnan()  # a NaN's sign bit may differ (vector code keeps -NaN's); both are NaN codes
+    assert torch.equal(compiled_payload[number], eager_payload[number])
+    nan_code = {"e4m3": 0x7F, "e5m2": 0x7C}[fmt]  # an all-ones exponent (and e4m3's mantissa)
+    assert bool(((compiled_payload[~number] & nan_code) == nan_code).all())
+    # Decoding every code times scales that are powers of two, not, tiny (products fall to fp32
+    # subnormals) and huge (the largest an amax can give): the same fp32 bits, signed zeros too.
+    codes = torch.arange(256, dtype=torch.uint8)[None]
+    decode = torch.compile(dequantize, fullgraph=True)
     for scale in (1.0, 0.75, 3.1e-3, 1e-41 / fp8_max(fmt), torch.finfo(torch.float32).max / fp8_max(fmt)):
-        scales = torch.tensor([[scale]])
-        got, expected = decode(codes[None], fmt, scales)[0], codes.view(dtype).float() * scales[0]
+        scales = torch.tensor([scale])
+        got, expected = decode(codes, scales, fmt), dequantize(codes, scales, fmt)
         assert torch.equal(got.isnan(), expected.isnan()), scale
         finite = ~expected.isnan()
         assert torch.equal(got[finite].view(torch.int32), expected[finite].view(torch.int32)), scale
