@@ -78,6 +78,8 @@ VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", 
 # out as above), and no error feedback.
 VARIANTS["gift_no_statistics"] = [*VARIANTS["gift"], "--gift.factor_source", "periodic", "--gift.refresh_interval", "2147483647"]
 VARIANTS["gift_no_ef"] = [*VARIANTS["gift"], "--gift.no-error_feedback"]
+# The statistics summed on the gradients' group, as before they had one of their own (config.stats_group).
+VARIANTS["gift_shared_stats_group"] = [*VARIANTS["gift"], "--gift.stats_group", "shared"]
 DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]
 
 

@@ -146,6 +146,40 @@ def received(t: torch.Tensor) -> torch.Tensor:
     return c10d.wait_tensor(t) if namespace is None else torch.ops.gift.timed_wait(t, namespace)
 
 
+# The current-step statistics travel on a process group of their own, with the gradient group's
+# ranks. A backend runs one group's collectives on a few worker threads in issue order (gloo: 2
+# per group): a statistics all-reduce issued while FSDP's prefetched parameter all-gather is on
+# the wire holds a worker until the bytes queued ahead of it have gone, and the next all-gather
+# waits for that worker, so the forward's link stalls once per block (docs/design.md §10).
+_STATISTICS_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def separate_statistics_group(group: dist.ProcessGroup) -> None:
+    """Send the statistics of gradients reduced over ``group`` over a new process group with the
+    same ranks (:func:`statistics_group_name`). Every rank of ``group`` calls this, in the same
+    order relative to its other group creations; when ``group`` is not the whole world, the
+    other ranks need not call it."""
+    if dist.get_world_size(group) == 1 or statistics_group_name(group.group_name) != group.group_name:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    own = dist.new_group(ranks, backend=dist.get_backend(group), group_desc=f"gift_statistics_{group.group_desc}",
+                         use_local_synchronization=len(ranks) < dist.get_world_size())
+    _STATISTICS_GROUPS[group.group_name] = (group, own)
+
+
+def statistics_group_name(group_name: str) -> str:
+    """The group the statistics of gradients reduced over ``group_name`` are summed on: its own
+    (:func:`separate_statistics_group`), or the gradient group itself."""
+    entry = _STATISTICS_GROUPS.get(group_name)
+    if entry is None:
+        return group_name
+    group, own = entry
+    if dist.distributed_c10d._world.pg_names.get(group) != group_name or own not in dist.distributed_c10d._world.pg_names:
+        del _STATISTICS_GROUPS[group_name]  # destroyed since (a name is reused by a later group): forget it
+        return group_name
+    return own.group_name
+
+
 def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 

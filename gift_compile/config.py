@@ -28,6 +28,7 @@ EuclideanDtype = Literal["fp8", "fp4", "bf16", "fp32"]
 Fp4Format = Literal["nvfp4", "mxfp4"]
 GatherDtype = Literal["wire", "bf16"]
 StatsDtype = Literal["fp32", "bf16"]
+StatsGroup = Literal["own", "shared"]
 ScaleMode = Literal["per_rank", "global_max"]
 
 # Keys a [gift] table may still use, with the field that replaced them; and old values.
@@ -96,6 +97,12 @@ class GiftConfig:
     """Dtype of the current-step statistics on the wire (``d_in x low_rank`` per layer, summed over
     the ranks): ``fp32``, or ``bf16`` at half the bytes (the sums round to 8 mantissa bits; every
     rank still builds the same factors from the same summed bytes)."""
+
+    stats_group: StatsGroup = "own"
+    """torchtitan's trainers: the process group the current-step statistics are summed on. ``own``:
+    a group of their own with the data-parallel ranks (one more process group per data-parallel
+    mesh dimension), so a statistics all-reduce never queues with FSDP's parameter all-gathers
+    (measured over a shaped link: docs/design.md §10); ``shared``: the gradients' group."""
 
     stats_max_tokens: int | None = 8192
     """Tokens per rank used for the statistics of ``A`` (evenly strided subsample); ``None``: all."""
@@ -327,6 +334,7 @@ _LITERAL_FIELDS: dict[str, tuple[str, ...]] = {
     "embedding_dtype": get_args(EuclideanDtype),
     "all_gather_dtype": get_args(GatherDtype),
     "stats_dtype": get_args(StatsDtype),
+    "stats_group": get_args(StatsGroup),
     "scale_mode": get_args(ScaleMode),
 }
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from gift_compile import policy
-from gift_compile.collectives import WireFormat, all_reduce_bytes, received
+from gift_compile.collectives import WireFormat, all_reduce_bytes, received, statistics_group_name
 from gift_compile.policy import Plan
 from gift_compile.comm import Reduction, gather_residual_shape, quantized_reduce
 from gift_compile.config import GiftConfig
@@ -150,7 +150,7 @@ def sketch_all_reduce(plan: LayerPlan, layer_input: torch.Tensor, basis: torch.T
     sketch = input_sketch(layer_input, basis, scale, plan.config.stats_max_tokens)
     if plan.config.stats_dtype == "bf16":
         sketch = sketch.to(torch.bfloat16)
-    return c10d.all_reduce(sketch, "sum", plan.group_name)
+    return c10d.all_reduce(sketch, "sum", statistics_group_name(plan.group_name))
 
 
 def issue_statistics(

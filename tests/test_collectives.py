@@ -186,3 +186,53 @@ def test_a_non_finite_step_leaves_finite_residuals(ranks, wire, collective):
             assert (not bool(residual.any())) if rank == 0 else bool(residual.any())
             if gather_residual is not None:  # every reduced shard holds the NaN: nothing kept
                 assert torch.equal(gather_residual, torch.zeros_like(gather_residual))
+
+
+def statistics_groups(rank, world):
+    """``separate_statistics_group`` on a world-spanning group and on ranks {0, 1} alone (only
+    they call it): where each layer's statistics all-reduce goes, and what it sums to."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from gift_compile.collectives import separate_statistics_group, statistics_group_name
+    from gift_compile.config import GiftConfig
+    from gift_compile.geometry import input_sketch
+    from gift_compile.layer_step import LayerPlan, sketch_all_reduce
+
+    everyone, pair = dist.new_group(list(range(world))), dist.new_group([0, 1])  # fresh: no other test's groups
+    groups = {"everyone": everyone} if rank > 1 else {"everyone": everyone, "pair": pair}
+    basis, scale = torch.linalg.qr(torch.randn(6, 2, generator=torch.Generator().manual_seed(0))).Q, torch.ones(())
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, group in groups.items():
+        before = statistics_group_name(group.group_name)
+        separate_statistics_group(group)
+        own = statistics_group_name(group.group_name)
+        separate_statistics_group(group)  # a second call keeps the first group
+        plan = LayerPlan.of("fc", 3, 6, GiftConfig(low_rank=2), whitened=True, collective="all_reduce", op="sum",
+                            group_name=group.group_name)
+        traced = make_fx(lambda x, b, s: sketch_all_reduce(plan, x, b, s))(x, basis, scale)
+        (reduce,) = traced.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)
+        summed = torch.ops._c10d_functional.wait_tensor(sketch_all_reduce(plan, x, basis, scale))
+        exact = input_sketch(x, basis, scale)
+        dist.all_reduce(exact, group=group)  # the same sum, on the gradients' group
+        out[name] = dict(before=before, own=own, again=statistics_group_name(group.group_name), gradients=group.group_name,
+                         traced=reduce.args[2], ranks=dist.get_process_group_ranks(_resolve_process_group(own)),
+                         group_ranks=dist.get_process_group_ranks(group), equal=torch.equal(summed, exact))
+    return out
+
+
+def test_statistics_travel_on_a_group_of_their_own(ranks):
+    # world 3: the pair's group leaves rank 2 out, which never calls separate_statistics_group for it
+    results = ranks(3).run(statistics_groups)
+    for rank, out in enumerate(results):
+        assert set(out) == ({"everyone", "pair"} if rank < 2 else {"everyone"})
+        for group in out.values():
+            assert group["before"] == group["gradients"]  # nothing registered: the gradients' group
+            assert group["own"] != group["gradients"] and group["again"] == group["own"]
+            assert group["traced"] == group["own"]  # the graph's all-reduce names the statistics' group
+            assert group["ranks"] == group["group_ranks"]
+            assert group["equal"]  # summed there, the sketch is what the gradients' group sums
+    # every member names the new group alike (the functional collectives resolve it by name)
+    assert len({out["everyone"]["own"] for out in results}) == 1 and results[0]["pair"]["own"] == results[1]["pair"]["own"]

@@ -38,6 +38,7 @@ def test_defaults_are_valid_and_frozen():
         ("layers", ("",), "non-empty fnmatch patterns"),
         ("layers", ["auto", "w2"], "'auto' must be the only entry"),
         ("euclidean_dtype", "fp16", "allowed values"),
+        ("stats_group", "world", "allowed values"),
         ("all_gather_dtype", "fp32", "allowed values"),
         ("scale_mode", "shared", "allowed values"),
         ("enabled", "yes", "true or false"),

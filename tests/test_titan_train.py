@@ -98,6 +98,10 @@ def test_overlap_and_the_time_meter_reach_the_final_graph_and_the_metrics(runs):
     assert FSDP_BUCKETING_PASS in applied
     prefetched = [int(m) for m in re.findall(r"(\d+) parameter all-gathers prefetched", first.log)]
     assert prefetched and min(prefetched) > 0
+    # the whitened layers' statistics are summed on a group of their own ([gift] stats_group = "own"),
+    # never queued with the all-gathers and gradients: every one, in the graph after the switch
+    own, statistics = map(int, re.findall(r"(\d+) of (\d+) statistics all-reduces on a group of their own", first.log)[-1])
+    assert statistics > 0 and own == statistics
     check_time_meter(first, STEPS)
     assert first.last("gift/collectives_per_step") > 0 and first.last("gift/collectives_per_step_traced") > 0
 

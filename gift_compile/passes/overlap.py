@@ -157,4 +157,18 @@ def prefetched_all_gathers(graph: fx.Graph) -> int:
     return prefetched
 
 
-__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "prefetched_all_gathers", "STATISTICS", "mark_gradient_collectives", "overlap_gradient_collectives"]
+def statistics_on_own_group(graph: fx.Graph) -> tuple[int, int]:
+    """``(statistics all-reduces, those on a group no other collective of the graph uses)``: the
+    second counts the ones that cannot queue behind a parameter all-gather or a gradient
+    (``collectives.separate_statistics_group``)."""
+    collectives = [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS]
+    statistics = [n for n in collectives if STATISTICS in n.meta]
+    others = {_group_name(n) for n in collectives if STATISTICS not in n.meta}
+    return len(statistics), sum(_group_name(n) not in others for n in statistics)
+
+
+def _group_name(collective: fx.Node) -> str:
+    return collective.kwargs.get("group_name") or collective.args[-1]
+
+
+__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]

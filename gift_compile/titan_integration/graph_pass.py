@@ -35,7 +35,9 @@ from gift_compile.collectives import WireFormat, bytes_sent
 from gift_compile.config import GiftConfig
 from gift_compile.passes import gift_collectives as gc
 from gift_compile.passes import time_meter
-from gift_compile.passes.overlap import COLLECTIVE_OPS, mark_gradient_collectives, overlap_gradient_collectives, prefetched_all_gathers
+from gift_compile.passes.overlap import (
+    COLLECTIVE_OPS, mark_gradient_collectives, overlap_gradient_collectives, prefetched_all_gathers, statistics_on_own_group,
+)
 from gift_compile.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -236,8 +238,9 @@ def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str
         ctx.accounting.overlapped = overlap_gradient_collectives(gm.graph)
         log.info("GIFT overlap: %d gradient waits now come after a later gradient collective's issue", ctx.accounting.overlapped)
     ctx.accounting.collective_calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
-    log.info("GIFT final graph: %d collectives per step, %d parameter all-gathers prefetched",
-             ctx.accounting.collective_calls, prefetched_all_gathers(gm.graph))
+    log.info("GIFT final graph: %d collectives per step, %d parameter all-gathers prefetched, "
+             "%d of %d statistics all-reduces on a group of their own", ctx.accounting.collective_calls,
+             prefetched_all_gathers(gm.graph), *reversed(statistics_on_own_group(gm.graph)))
     time_meter.instrument(gm.graph, namespace)
     gm.recompile()
     return gm

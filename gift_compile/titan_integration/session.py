@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gift_compile import fsdp, timing
-from gift_compile.collectives import WireFormat, bytes_sent
+from gift_compile.collectives import WireFormat, bytes_sent, separate_statistics_group
 from gift_compile.config import GiftConfig
 from gift_compile.runtime import GiftRuntime, register_runtime
 from gift_compile.selection import linear_weight_shapes, select_layers
@@ -46,6 +46,13 @@ METRICS_FILE = "gift_metrics.jsonl"
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def data_parallel_groups(dims) -> list[dist.ProcessGroup]:
+    """This rank's groups of the data-parallel mesh dimensions gradients are reduced over, in a
+    fixed order (every rank creates the same groups after them)."""
+    meshes = (dims.get_optional_mesh(name) for name in ("dp_replicate", "fsdp"))
+    return [mesh.get_group() for mesh in meshes if mesh is not None]
 
 
 class GraphRoute:
@@ -121,6 +128,9 @@ class GiftSession:
         self.chosen: list[str] = [] if self.auto else select_layers(list(self.shapes), self.config.layers)
         self.profile_table: str | None = None
         self.switched_at: int | None = None
+        if self.config.stats_group == "own":
+            for group in data_parallel_groups(trainer.parallel_dims):
+                separate_statistics_group(group)  # off FSDP's all-gather queue (collectives.py)
         self.route = GraphRoute(trainer, section) if route == "graph" else Fsdp2Route(trainer, self.runtime, section)
         self._create_layer_states(self.chosen)
         self.route.select(self._wire_config(), self.chosen, retrace=False)
