@@ -6,8 +6,8 @@ is issued (prefetched) and the previous one waited for, then 20 ms of compute wi
 statistics-sized all-reduce issued in the middle of it (GIFT sums each block's input sketches
 during the forward). The all-reduce goes nowhere (``none``), on the all-gathers' group
 (``shared``), or on a group of its own with the same ranks (``own``, ``[gift] stats_group``'s
-default). Modes alternate over rounds, so the machine's drift hits each alike. Needs root and
-iproute2, as shaped_link.py.
+default). Modes alternate over rounds, so the machine's drift hits each alike. The table goes to
+stdout and benchmarks/results/statistics_queue.md. Needs root and iproute2, as shaped_link.py.
 
     sudo python benchmarks/statistics_queue.py                 # 200 Mbit/s
     sudo python benchmarks/statistics_queue.py --rate 50 --rounds 3
@@ -21,11 +21,18 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 BLOCKS, COMPUTE_S = 6, 0.020
 PARAMETERS = 850_000  # one block of the debug job (fp32): each rank holds and sends half
 SKETCH = 2 * (256 * 32 + 2)  # a block's two input sketches (wqkv's and wo's inputs), fp32
 MODES = ("none", "shared", "own")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def setting() -> str:
+    return (f"{BLOCKS} blocks, each a {PARAMETERS * 4 / 2**20:.1f} MiB all-gather ({PARAMETERS * 2 / 2**20:.1f} MiB from each rank), "
+            f"a {SKETCH * 4 / 1024:.0f} KiB all-reduce and {COMPUTE_S * 1e3:.0f} ms of compute")
 
 
 def busy(seconds: float) -> None:
@@ -34,7 +41,7 @@ def busy(seconds: float) -> None:
         pass
 
 
-def rank_main(rank: int, address: str, port: int, rounds: int, forwards: int) -> None:
+def rank_main(rank: int, address: str, port: int, rounds: int, forwards: int, rate: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -67,10 +74,14 @@ def rank_main(rank: int, address: str, port: int, rounds: int, forwards: int) ->
                 print(f"  {mode:6s} {statistics.median(seconds[mode][-forwards:]) * 1e3:6.1f} ms per forward", flush=True)
     if rank == 0:
         none = statistics.median(seconds["none"])
-        print(f"\n| statistics all-reduce | ms per forward (median of {len(seconds['none'])}) | vs none |\n|---|---|---|")
-        for mode in MODES:
-            ms = statistics.median(seconds[mode])
-            print(f"| {mode} | {ms * 1e3:.1f} | {ms / none:.2f}x |")
+        lines = [f"| statistics all-reduce | ms per forward (median of {len(seconds['none'])}) | vs none |", "|---|---|---|"]
+        lines += [f"| {mode} | {statistics.median(seconds[mode]) * 1e3:.1f} | {statistics.median(seconds[mode]) / none:.2f}x |"
+                  for mode in MODES]
+        print("\n" + "\n".join(lines))
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "statistics_queue.md").write_text(f"# {__doc__.splitlines()[0]}\n\n`benchmarks/statistics_queue.py --rate {rate:g}`: {setting()}, "
+                                                     f"{rate:g} Mbit/s, two gloo ranks\n\n"
+                                                     + "\n".join(lines) + "\n")
     dist.destroy_process_group()
 
 
@@ -87,12 +98,11 @@ def main() -> int:
     if missing:
         print("statistics_queue.py cannot run here; it needs:\n  - " + "\n  - ".join(missing), file=sys.stderr)
         return 2
-    print(f"{BLOCKS} blocks: a {PARAMETERS * 4 / 2**20:.1f} MiB all-gather each, a {SKETCH * 4 / 1024:.0f} KiB all-reduce, "
-          f"{COMPUTE_S * 1e3:.0f} ms compute; {args.rate:g} Mbit/s", flush=True)
+    print(f"{setting()}; {args.rate:g} Mbit/s", flush=True)
     with shaped_link.ShapedLink() as link:
         link.shape(args.rate)
         procs = [subprocess.Popen(link.command(side, [sys.executable, __file__, "--rank", str(side), link.addresses[0],
-                                                      str(args.rounds), str(args.forwards)]),
+                                                      str(args.rounds), str(args.forwards), str(args.rate)]),
                                   env={**os.environ, "GLOO_SOCKET_IFNAME": link.devices[side], "OMP_NUM_THREADS": "1"})
                  for side in (0, 1)]
         codes = [p.wait() for p in procs]
@@ -101,6 +111,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
-        rank_main(int(sys.argv[2]), sys.argv[3], 29931, int(sys.argv[4]), int(sys.argv[5]))
+        rank_main(int(sys.argv[2]), sys.argv[3], 29931, int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
     else:
         sys.exit(main())
