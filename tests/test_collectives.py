@@ -220,6 +220,9 @@ def statistics_groups(rank, world):
         out[name] = dict(before=before, own=own, again=statistics_group_name(group.group_name), gradients=group.group_name,
                          traced=reduce.args[2], ranks=dist.get_process_group_ranks(_resolve_process_group(own)),
                          group_ranks=dist.get_process_group_ranks(group), equal=torch.equal(summed, exact))
+    # a destroyed statistics group is forgotten: the gradients' group again, never a dead name
+    dist.destroy_process_group(_resolve_process_group(out["everyone"]["own"]))
+    out["everyone"]["after_destroy"] = statistics_group_name(everyone.group_name)
     return out
 
 
@@ -234,5 +237,6 @@ def test_statistics_travel_on_a_group_of_their_own(ranks):
             assert group["traced"] == group["own"]  # the graph's all-reduce names the statistics' group
             assert group["ranks"] == group["group_ranks"]
             assert group["equal"]  # summed there, the sketch is what the gradients' group sums
+    assert all(out["everyone"]["after_destroy"] == out["everyone"]["gradients"] for out in results)
     # every member names the new group alike (the functional collectives resolve it by name)
     assert len({out["everyone"]["own"] for out in results}) == 1 and results[0]["pair"]["own"] == results[1]["pair"]["own"]

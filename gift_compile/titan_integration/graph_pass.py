@@ -238,9 +238,10 @@ def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str
         ctx.accounting.overlapped = overlap_gradient_collectives(gm.graph)
         log.info("GIFT overlap: %d gradient waits now come after a later gradient collective's issue", ctx.accounting.overlapped)
     ctx.accounting.collective_calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
+    statistics, on_own_group = statistics_on_own_group(gm.graph)
     log.info("GIFT final graph: %d collectives per step, %d parameter all-gathers prefetched, "
              "%d of %d statistics all-reduces on a group of their own", ctx.accounting.collective_calls,
-             prefetched_all_gathers(gm.graph), *reversed(statistics_on_own_group(gm.graph)))
+             prefetched_all_gathers(gm.graph), on_own_group, statistics)
     time_meter.instrument(gm.graph, namespace)
     gm.recompile()
     return gm
