@@ -35,6 +35,7 @@ import heapq
 
 import torch
 from torch import fx
+from torch.fx.operator_schemas import normalize_function
 
 c10d = torch.ops._c10d_functional
 
@@ -168,7 +169,7 @@ def statistics_on_own_group(graph: fx.Graph) -> tuple[int, int]:
 
 
 def _group_name(collective: fx.Node) -> str:
-    return collective.kwargs.get("group_name") or collective.args[-1]
+    return normalize_function(collective.target, collective.args, collective.kwargs, normalize_to_only_use_kwargs=True).kwargs["group_name"]
 
 
 __all__ = ["ALL_GATHERS", "GRADIENT_COMM", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]
