@@ -162,9 +162,24 @@ def separate_statistics_group(group: dist.ProcessGroup) -> None:
     if dist.get_world_size(group) == 1 or statistics_group_name(group.group_name) != group.group_name:
         return
     ranks = dist.get_process_group_ranks(group)
-    own = dist.new_group(ranks, backend=dist.get_backend(group), group_desc=f"gift_statistics_{group.group_desc}",
-                         use_local_synchronization=len(ranks) < dist.get_world_size())
+    own = dist.new_group(ranks, timeout=_timeout(group), backend=dist.get_backend(group),
+                         group_desc=f"gift_statistics_{group.group_desc}", use_local_synchronization=len(ranks) < dist.get_world_size())
     _STATISTICS_GROUPS[group.group_name] = (group, own)
+
+
+def match_statistics_timeouts() -> None:
+    """Give every statistics group its gradient group's current timeout. Call it after changing
+    a gradient group's (torchtitan shortens every mesh group's after the first step): a
+    statistics all-reduce that waits longer than its gradients would keep a rank whose peer hung
+    alive past the job's timeout."""
+    for name in list(_STATISTICS_GROUPS):
+        if statistics_group_name(name) != name:  # both groups still exist
+            group, own = _STATISTICS_GROUPS[name]
+            own.set_timeout(_timeout(group))
+
+
+def _timeout(group: dist.ProcessGroup):
+    return group._get_backend(torch.device(group._device_types[0])).options._timeout
 
 
 def statistics_group_name(group_name: str) -> str:

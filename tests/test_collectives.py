@@ -14,6 +14,8 @@ s <= block_amax / 4), and summing over blocks of 16 / 32 with sum block_amax^2 <
 codec's exact rounding is checked against the independent oracle in test_fp4.py.
 """
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -220,6 +222,15 @@ def statistics_groups(rank, world):
         out[name] = dict(before=before, own=own, again=statistics_group_name(group.group_name), gradients=group.group_name,
                          traced=reduce.args[2], ranks=dist.get_process_group_ranks(_resolve_process_group(own)),
                          group_ranks=dist.get_process_group_ranks(group), equal=torch.equal(summed, exact))
+    # the statistics group waits as long as its gradient group: at creation, and after a change
+    from gift_compile.collectives import match_statistics_timeouts
+
+    backend = lambda g: g._get_backend(torch.device("cpu"))  # noqa: E731
+    own_group = _resolve_process_group(out["everyone"]["own"])
+    created = backend(own_group).options._timeout == backend(everyone).options._timeout
+    everyone.set_timeout(timedelta(seconds=17))
+    match_statistics_timeouts()
+    out["everyone"]["timeouts"] = (created, backend(own_group).options._timeout)
     # a destroyed statistics group is forgotten: the gradients' group again, never a dead name
     dist.destroy_process_group(_resolve_process_group(out["everyone"]["own"]))
     out["everyone"]["after_destroy"] = statistics_group_name(everyone.group_name)
@@ -238,5 +249,6 @@ def test_statistics_travel_on_a_group_of_their_own(ranks):
             assert group["ranks"] == group["group_ranks"]
             assert group["equal"]  # summed there, the sketch is what the gradients' group sums
     assert all(out["everyone"]["after_destroy"] == out["everyone"]["gradients"] for out in results)
+    assert all(out["everyone"]["timeouts"] == (True, timedelta(seconds=17)) for out in results)
     # every member names the new group alike (the functional collectives resolve it by name)
     assert len({out["everyone"]["own"] for out in results}) == 1 and results[0]["pair"]["own"] == results[1]["pair"]["own"]

@@ -16,6 +16,7 @@ A :class:`GiftSession` is created by the trainer when ``[gift] enabled = true``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import resource
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gift_compile import fsdp, timing
-from gift_compile.collectives import WireFormat, bytes_sent, separate_statistics_group
+from gift_compile.collectives import WireFormat, bytes_sent, match_statistics_timeouts, separate_statistics_group
 from gift_compile.config import GiftConfig
 from gift_compile.runtime import GiftRuntime, register_runtime
 from gift_compile.selection import linear_weight_shapes, select_layers
@@ -53,6 +54,24 @@ def data_parallel_groups(dims) -> list[dist.ProcessGroup]:
     fixed order (every rank creates the same groups after them)."""
     meshes = (dims.get_optional_mesh(name) for name in ("dp_replicate", "fsdp"))
     return [mesh.get_group() for mesh in meshes if mesh is not None]
+
+
+def statistics_follow_pg_timeouts() -> None:
+    """After torchtitan sets its process groups' timeouts (``set_pg_timeouts``, after the first
+    step), give the statistics groups theirs (``collectives.match_statistics_timeouts``)."""
+    import torchtitan.distributed.utils as dist_utils
+
+    set_pg_timeouts = dist_utils.set_pg_timeouts
+    if getattr(set_pg_timeouts, "gift_statistics", False):
+        return
+
+    @functools.wraps(set_pg_timeouts)
+    def then_statistics(*args, **kwargs):
+        set_pg_timeouts(*args, **kwargs)
+        match_statistics_timeouts()
+
+    then_statistics.gift_statistics = True
+    dist_utils.set_pg_timeouts = then_statistics
 
 
 class GraphRoute:
@@ -131,6 +150,7 @@ class GiftSession:
         if self.config.stats_group == "own":
             for group in data_parallel_groups(trainer.parallel_dims):
                 separate_statistics_group(group)  # off FSDP's all-gather queue (collectives.py)
+            statistics_follow_pg_timeouts()
         self.route = GraphRoute(trainer, section) if route == "graph" else Fsdp2Route(trainer, self.runtime, section)
         self._create_layer_states(self.chosen)
         self.route.select(self._wire_config(), self.chosen, retrace=False)
