@@ -280,7 +280,7 @@ class Result:
     """GIFT's time meter: the codec's seconds per step (0 for fp32, which runs no codec)."""
     wait_s: float = 0.0
     collectives: int | None = None
-    """Collectives the final graph issues per step (None: GIFT off, the stock graph)."""
+    """Collectives the final graph issues per step (GIFT off: the stock graph's; None: not recorded)."""
 
 
 def launcher(job: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
@@ -409,7 +409,7 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int, round_
              "'Limit' is what the link and the CPU allow: max(compute alone + the codec's seconds from GIFT's time meter, "
              "the bytes the link carried per step and direction / the link rate); 'codec s' and 'wait s' are GIFT's time "
              "meter (gift/codec_s, gift/comm_wait_s: means over the timed steps; fp32 runs no codec); 'collectives/step' "
-             "counts the collectives of the final graph (fp32: the stock graph, not counted).", ""]
+             "counts the collectives of the final graph, the same way for every variant (fp32: the stock graph's).", ""]
     if round_trips:
         lines[-1:-1] = ["Idle TCP round trip between the two nodes (median of 50 1-byte pings): " + "; ".join(
             f"{rate_label(cell)} {ms:.2f} ms" for cell, ms in round_trips.items()) + ". Cells with an added round trip run "

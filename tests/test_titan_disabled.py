@@ -60,6 +60,24 @@ def test_disabled_gift_leaves_the_graph_unchanged(short_runs):
     assert "gift" not in "".join(report for _, report in reports)
 
 
+COLLECTIVE_COUNT = re.compile(r"^\s+(all_gather_into_tensor(?:_out)?|reduce_scatter_tensor|all_reduce|all_to_all_single|wait_tensor)"
+                              r"\.default: \d+ -> (\d+)", re.MULTILINE)
+
+
+def test_disabled_runs_report_their_collectives_per_step(short_runs):
+    # fp32 beside FP8 and GIFT (benchmarks/shaped_link.py): a run with GIFT off records how many
+    # collectives its final graph issues per step. The truth here is graph_trainer's own
+    # per-pass op counts (debug_graph_passes): each collective's count after the last pass that
+    # changed it, and the waits, one per collective.
+    off = short_runs["off"]
+    final: dict[str, int] = {}
+    for op, after in COLLECTIVE_COUNT.findall(off.log):  # in pass order; both ranks log the same counts
+        final[op] = int(after)
+    waits = final.pop("wait_tensor")
+    assert off.last("gift/collectives_per_step") == sum(final.values()) == waits > 0, (final, waits)
+    assert short_runs["stock"].last("gift/collectives_per_step") == waits
+
+
 def test_one_rank_runs_and_equals_the_plain_run(short_runs):
     # One rank has nothing to communicate: GIFT says so once and changes nothing.
     gift, plain = short_runs["one_rank_gift"], short_runs["one_rank_plain"]

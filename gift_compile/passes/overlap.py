@@ -53,6 +53,11 @@ COLLECTIVE_OPS = {
 }
 
 
+def collectives_of(graph: fx.Graph) -> list[fx.Node]:
+    """The collectives ``graph`` issues each time it runs, in graph order."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS]
+
+
 def _layer_op(node: fx.Node) -> bool:
     """A ``gift::`` op: it touches one layer's state, ordered within the layer by its token (a
     data dependency), and is independent of every other layer's."""
@@ -162,7 +167,7 @@ def statistics_on_own_group(graph: fx.Graph) -> tuple[int, int]:
     """``(statistics all-reduces, those on a group no other collective of the graph uses)``: the
     second counts the ones that cannot queue behind a parameter all-gather or a gradient
     (``collectives.separate_statistics_group``)."""
-    collectives = [n for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS]
+    collectives = collectives_of(graph)
     statistics = [n for n in collectives if STATISTICS in n.meta]
     others = {_group_name(n) for n in collectives if STATISTICS not in n.meta}
     return len(statistics), sum(_group_name(n) not in others for n in statistics)
@@ -172,4 +177,4 @@ def _group_name(collective: fx.Node) -> str:
     return normalize_function(collective.target, collective.args, collective.kwargs, normalize_to_only_use_kwargs=True).kwargs["group_name"]
 
 
-__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]
+__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]

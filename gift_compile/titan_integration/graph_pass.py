@@ -36,7 +36,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.passes import gift_collectives as gc
 from gift_compile.passes import time_meter
 from gift_compile.passes.overlap import (
-    COLLECTIVE_OPS, mark_gradient_collectives, overlap_gradient_collectives, prefetched_all_gathers, statistics_on_own_group,
+    collectives_of, mark_gradient_collectives, overlap_gradient_collectives, prefetched_all_gathers, statistics_on_own_group,
 )
 from gift_compile.runtime import get_runtime
 
@@ -173,7 +173,7 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
         ctx.accounting = GraphAccounting()
         return gm
     accounting = GraphAccounting(collectives=len(found))
-    accounting.collective_calls_traced = sum(1 for n in graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
+    accounting.collective_calls_traced = len(collectives_of(graph))
     accounting.linear_candidates = [g.fqn for g in found if g.fqn is not None]
     missing = sorted(ctx.selected - set(accounting.linear_candidates))
     if missing:
@@ -237,7 +237,7 @@ def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str
     if ctx.config.overlap:
         ctx.accounting.overlapped = overlap_gradient_collectives(gm.graph)
         log.info("GIFT overlap: %d gradient waits now come after a later gradient collective's issue", ctx.accounting.overlapped)
-    ctx.accounting.collective_calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS)
+    ctx.accounting.collective_calls = len(collectives_of(gm.graph))
     statistics, on_own_group = statistics_on_own_group(gm.graph)
     log.info("GIFT final graph: %d collectives per step, %d parameter all-gathers prefetched, "
              "%d of %d statistics all-reduces on a group of their own", ctx.accounting.collective_calls,

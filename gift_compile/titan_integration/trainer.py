@@ -22,6 +22,7 @@ from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 from torchtitan.trainer import Trainer
 
 from gift_compile import timing
+from gift_compile.passes.overlap import collectives_of
 from gift_compile.titan_integration.config import GiftSection
 from gift_compile.titan_integration.graph_pass import register_pipeline
 from gift_compile.titan_integration.session import NAMESPACE, GiftSession, record_metrics
@@ -29,8 +30,16 @@ from gift_compile.titan_integration.session import NAMESPACE, GiftSession, recor
 register_pipeline()
 
 
+def _final_graph_collectives(trainer) -> int | None:
+    """The collectives graph_trainer's final graph (after its passes) issues per step, counted as
+    GIFT's pass counts its own; None on the standard trainer (no graph) or before the first step."""
+    traced = getattr(trainer, "_traced_step", None)  # graph_trainer's traced step, set at the first step
+    return len(collectives_of(traced.gm.graph)) if traced is not None else None
+
+
 def _wrap_loss_recording(trainer) -> None:
-    """Disabled runs: still record loss and memory per logged step (for benchmarks)."""
+    """Disabled runs: still record loss and memory per logged step, and on graph_trainer the
+    collectives per step under GIFT's metric name (for benchmarks: fp32 beside FP8 and GIFT)."""
     processor = trainer.metrics_processor
     original_log = processor.log
     original_validation = getattr(processor, "log_validation", None)
@@ -38,7 +47,9 @@ def _wrap_loss_recording(trainer) -> None:
 
     def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-        record_metrics(folder, step, loss=global_avg_loss, grad_norm=grad_norm)
+        calls = _final_graph_collectives(trainer)
+        record_metrics(folder, step, loss=global_avg_loss, grad_norm=grad_norm,
+                       **({} if calls is None else {"gift/collectives_per_step": calls}))
 
     processor.log = log
     if original_validation is not None:
