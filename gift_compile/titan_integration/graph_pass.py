@@ -68,7 +68,7 @@ class GraphAccounting:
     collective_calls: int = 0
     """Collectives the final graph issues per step (parameter all-gathers, gradients, statistics)."""
     collective_calls_traced: int = 0
-    """The same in the graph as traced (what the stock pipeline runs)."""
+    """The same in the graph as traced, before any pass (graph_trainer's bucketing merges many)."""
 
 
 @dataclass
