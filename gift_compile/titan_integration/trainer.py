@@ -33,8 +33,10 @@ register_pipeline()
 def _final_graph_collectives(trainer) -> int | None:
     """The collectives graph_trainer's final graph (after its passes) issues per step, counted as
     GIFT's pass counts its own; None on the standard trainer (no graph) or before the first step."""
-    traced = getattr(trainer, "_traced_step", None)  # graph_trainer's traced step, set at the first step
-    return len(collectives_of(traced.gm.graph)) if traced is not None else None
+    # graph_trainer's traced step is private (set at the first step): if a torchtitan release
+    # renames it, the count is left out and the run goes on
+    graph = getattr(getattr(getattr(trainer, "_traced_step", None), "gm", None), "graph", None)
+    return len(collectives_of(graph)) if graph is not None else None
 
 
 def _wrap_loss_recording(trainer) -> None:
