@@ -30,13 +30,12 @@ from gift_compile.titan_integration.session import NAMESPACE, GiftSession, recor
 register_pipeline()
 
 
-def _final_graph_collectives(trainer) -> int | None:
-    """The collectives graph_trainer's final graph (after its passes) issues per step, counted as
-    GIFT's pass counts its own; None on the standard trainer (no graph) or before the first step."""
+def _final_graph(trainer):
+    """graph_trainer's final graph (after its passes); None on the standard trainer (no graph) or
+    before the first step."""
     # graph_trainer's traced step is private (set at the first step): if a torchtitan release
     # renames it, the count is left out and the run goes on
-    graph = getattr(getattr(getattr(trainer, "_traced_step", None), "gm", None), "graph", None)
-    return len(collectives_of(graph)) if graph is not None else None
+    return getattr(getattr(getattr(trainer, "_traced_step", None), "gm", None), "graph", None)
 
 
 def _wrap_loss_recording(trainer) -> None:
@@ -46,12 +45,15 @@ def _wrap_loss_recording(trainer) -> None:
     original_log = processor.log
     original_validation = getattr(processor, "log_validation", None)
     folder = Path(trainer.config.dump_folder)
+    counted: dict = {}  # final graph -> its collectives, counted as GIFT's pass counts its own: once
 
     def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
-        calls = _final_graph_collectives(trainer)
+        graph = _final_graph(trainer)
+        if graph is not None and graph not in counted:
+            counted[graph] = len(collectives_of(graph))
         record_metrics(folder, step, loss=global_avg_loss, grad_norm=grad_norm,
-                       **({} if calls is None else {"gift/collectives_per_step": calls}))
+                       **({} if graph is None else {"gift/collectives_per_step": counted[graph]}))
 
     processor.log = log
     if original_validation is not None:
