@@ -40,7 +40,7 @@ from gift_compile.package_graph import source_files
 from gift_compile.passes.compiled_autograd import LinearWeight, output_fqns, remember_linear_weights, tag_outputs
 from gift_compile.passes.gift_collectives import find_gradient_collectives, gift_collectives_pass
 from gift_compile.passes.graph_utils import is_linear_type, module_fqn
-from gift_compile.passes.overlap import overlap_gradient_collectives
+from gift_compile.passes.overlap import collectives_of, overlap_gradient_collectives
 from gift_compile.runtime import GiftRuntime, is_registered, new_runtime
 from gift_compile.selection import check_patterns, linear_weight_shapes, matching
 
@@ -67,6 +67,7 @@ class GiftGraphPass(CustomGraphPass):
         self.before_backward = None  # the backend's check of its patterns against every graph seen
         self.saw_backward_without_collectives = False
         self.calls = 0  # graphs this pass rewrote in this process (0 on FX-graph-cache hits)
+        self.collective_calls: list[int] = []  # collectives each rewritten graph issues per run
 
     def __call__(self, graph: fx.Graph) -> None:
         self.calls += 1
@@ -86,6 +87,7 @@ class GiftGraphPass(CustomGraphPass):
         gift_collectives_pass(graph, self.config, self.namespace, self.selected)
         if self.config.overlap:
             overlap_gradient_collectives(graph)
+        self.collective_calls.append(len(collectives_of(graph)))
 
     def uuid(self) -> bytes:
         digest = hashlib.sha256(get_hash_for_files(_PASS_FILES))

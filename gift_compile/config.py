@@ -133,6 +133,13 @@ class GiftConfig:
     next one has been issued, so the rest of the backward computes while its bytes travel
     (``passes/overlap.py``). Off: each collective is waited on where it was issued."""
 
+    bucket: bool = True
+    """Graph routes: send the quantized gradients of each module of a block together
+    (``layers.3.attention``, ``layers.3.feed_forward``): one ``all_to_all``, and on the all-reduce
+    route one ``all_gather``, per module instead of per gradient, so the round trips per step do
+    not grow with the number of layers (``passes/bucketing.py``). Off: one call per gradient,
+    each sent as soon as it exists (a little earlier; on a link with latency, more round trips)."""
+
     meter_interval: int = 10
     """Every N steps, each whitened layer reads the live meter (``meter.py``): the error of the
     gradient GIFT delivered on its route over the error the same route's Euclidean wire (FP8, or
@@ -204,7 +211,7 @@ class GiftConfig:
                 _check_int(name, getattr(self, name))
         _check_float("damping", self.damping, low=MIN_DAMPING, high=1e3, closed_low=True)
         _check_float("ema_decay", self.ema_decay, low=0.0, high=1.0, closed_low=True)
-        for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback", "overlap", "adaptive_damping"):
+        for name in ("enabled", "error_feedback", "euclidean_error_feedback", "fallback", "overlap", "bucket", "adaptive_damping"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GiftConfig.{name}={getattr(self, name)!r} is invalid; it must be true or false")
         if self.adaptive_damping and self.factor_source != "current_step":

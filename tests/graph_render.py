@@ -28,6 +28,8 @@ The left column says whose line it is:
 * a parameter's name (``fc2.bias``, from the collective's module metadata with ``replicate``'s
   parametrization path folded; ``-`` when unknown) for a collective the pass did not touch,
   which is marked ``(original)``.
+* ``<module path>.*`` for a collective that carries the gradients of several layers (a
+  block's bucket, ``passes/bucketing.py``): their common module path, e.g. ``layers.1.*``.
 
 The landmarks:
 
@@ -181,8 +183,9 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
 def _gradient_mms(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     """The weight-gradient ``mm`` of each rewritten layer: the last ``mm`` (in graph order) behind
     the layer's last ``gift::`` op that no ``gift::`` op feeds (so not one the pass inserted:
-    the whitening GEMMs all depend on ``gift::`` ops). Everything else behind that op is the
-    ``mm``'s own inputs or was inserted by the pass."""
+    the whitening GEMMs all depend on ``gift::`` ops), from the layer's own module where the
+    metadata says (behind a bucketed collective, the other members' ``mm`` are too). Everything
+    else behind that op is the ``mm``'s own inputs or was inserted by the pass."""
     inserted: set[fx.Node] = set()
     last_op: dict[str, fx.Node] = {}
     for node in nodes:
@@ -194,8 +197,9 @@ def _gradient_mms(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     found = {}
     for fqn, op in last_op.items():
         mms = [n for n in ancestors(op) if n.target is torch.ops.aten.mm.default and n not in inserted]
-        if mms:
-            found[max(mms, key=index.__getitem__)] = fqn
+        own = [n for n in mms if (innermost_module(n) or ("",))[0] == fqn]  # not a bucket partner's
+        if own or mms:
+            found[max(own or mms, key=index.__getitem__)] = fqn
     return found
 
 
@@ -204,15 +208,26 @@ def _collective_owners(nodes: list[fx.Node], grad_mms: dict[fx.Node, str]) -> di
     whitened/encoded bytes), else the layer whose ``gift::`` ops use its result (the
     statistics' all_reduce). A collective with neither was left alone by the pass."""
     downstream = _downstream_layer(nodes)
-    owners = {}
+    carried: dict[fx.Node, list[str]] = {}
     for mm, fqn in grad_mms.items():
         for node in _descendants(mm):
             if _is_collective(node):
-                owners[node] = fqn
+                carried.setdefault(node, []).append(fqn)
+    owners = {node: _common_owner(fqns) for node, fqns in carried.items()}
     for node in nodes:
         if _is_collective(node) and node not in owners and node in downstream:
             owners[node] = downstream[node]
     return owners
+
+
+def _common_owner(fqns: list[str]) -> str:
+    """One layer's FQN, or for a collective that carries several layers' gradients (a bucket)
+    their common module path and ``*``: ``layers.1.*``."""
+    if len(set(fqns)) == 1:
+        return fqns[0]
+    parts = [name.split(".") for name in fqns]
+    common = next((i for i, names in enumerate(zip(*parts)) if len(set(names)) > 1), min(map(len, parts)))
+    return ".".join([*parts[0][:common], "*"])
 
 
 def _parameter_name(collective: fx.Node) -> str:

@@ -70,3 +70,28 @@ class GPTBlock(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+
+class MLPBlock(nn.Module):
+    """A residual two-layer MLP block, ``fc1`` (dim -> hidden) and ``fc2`` (hidden -> dim)."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    """Blocks as ``layers.0``, ``layers.1``, ... (torchtitan's block names)."""
+
+    def __init__(self, block=MLPBlock, blocks=2):
+        super().__init__()
+        self.layers = nn.ModuleList(block() for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

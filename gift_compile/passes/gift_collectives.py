@@ -62,6 +62,7 @@ from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening
 from gift_compile.layer_step import CurrentFactors, LayerPlan, current_factors, issue_statistics, reduce_layer
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
+from gift_compile.passes.bucketing import ALL_GATHER, ALL_TO_ALL, BUCKET, bucket_gradient_collectives
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
 from gift_compile.passes.overlap import STATISTICS, mark_gradient_collectives
 from gift_compile.passes.time_meter import CODEC
@@ -215,11 +216,17 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
         before = set(graph.nodes)
         shared: dict[tuple, list[fx.Node]] = {}
         for rewrite in rewrites:
+            present = set(graph.nodes)
             if rewrite.plan.stateful:
                 rewrite_stateful(graph, rewrite, config, namespace, agreed, shared)
             else:
                 rewrite_euclidean(graph, rewrite, namespace, agreed)
+            for node in graph.nodes:
+                if node not in present and node.target in (ALL_TO_ALL, ALL_GATHER):
+                    node.meta[BUCKET] = bucket_of(rewrite.found.fqn)
         batch_statistics(graph)
+        if config.bucket:
+            bucket_gradient_collectives(graph)
         added = [n for n in graph.nodes if n not in before]
         mark_gradient_collectives(added)  # for the overlap scheduler
         for node in added:
@@ -232,6 +239,15 @@ def block_of(fqn: str) -> str:
     ``""`` when it has none (one block for the whole graph)."""
     parts = fqn.split(".")
     return next((".".join(parts[: i + 1]) for i, part in enumerate(parts) if part.isdigit()), "")
+
+
+def bucket_of(fqn: str) -> str:
+    """The bucket a layer's quantized gradient travels in (``passes/bucketing.py``): its parent
+    module where that lies in a block (``layers.3.attention`` for ``layers.3.attention.wq``), so a
+    Llama block sends its attention's gradients together and its feed-forward's together; a
+    layer outside any block (the output projection, the embedding) travels alone."""
+    parent = fqn.rpartition(".")[0]
+    return parent if block_of(parent) else fqn
 
 
 def batch_statistics(graph: fx.Graph) -> None:
