@@ -28,7 +28,7 @@ from torch._inductor.utils import is_cudagraph_unsafe_fx_node
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gift_compile import GiftConfig, gift_backend, replicate
-from gift_compile.passes.gift_collectives import gift_collectives_pass
+from gift_compile.passes.gift_collectives import bucket_of, gift_collectives_pass
 from gift_compile.passes.overlap import overlap_gradient_collectives, prefetched_all_gathers
 from gift_compile.passes.graph_utils import module_fqn
 from gift_compile.runtime import register_runtime
@@ -568,3 +568,19 @@ def test_fake_factor_shapes_match_the_real_state(config):
 )
 def test_dynamo_paths_become_model_fqns(dynamo_path, fqn):
     assert module_fqn(dynamo_path) == fqn
+
+
+@pytest.mark.parametrize(
+    "fqn, bucket",
+    [
+        ("layers.3.attention.qkv_linear.wqkv", "layers.3.attention"),  # torchtitan's Llama: the attention's
+        ("layers.3.attention.wo", "layers.3.attention"),  # two Linears travel together,
+        ("layers.3.feed_forward.w2", "layers.3.feed_forward"),  # the feed-forward's three apart from them
+        ("h.2.attn.c_attn", "h.2.attn"),  # Hugging Face GPT-2
+        ("layers.0.fc1", "layers.0"),  # a Linear directly in its block
+        ("output", "output"),  # outside any block: alone (the output projection's gradient is the
+        ("tok_embeddings", "tok_embeddings"),  # backward's first, the embedding's its last)
+    ],
+)
+def test_a_gradient_travels_with_the_other_layers_of_its_block_module(fqn, bucket):
+    assert bucket_of(fqn) == bucket

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.operator_schemas import normalize_function
 
 from gift_compile.passes.graph_utils import splice_traced
 from gift_compile.passes.overlap import WAIT, group_name_of
@@ -49,7 +50,7 @@ def bucket_gradient_collectives(graph: fx.Graph) -> int:
     for target in (ALL_TO_ALL, ALL_GATHER):  # first phases first: a second phase reads their results
         buckets: dict[tuple, list[fx.Node]] = {}
         for node in graph.find_nodes(op="call_function", target=target):
-            if BUCKET in node.meta:
+            if BUCKET in node.meta and _bucketable(node):
                 key = (node.meta[BUCKET], group_name_of(node), node.args[0].meta["val"].dtype)
                 buckets.setdefault(key, []).append(node)
         for members in buckets.values():
@@ -60,6 +61,17 @@ def bucket_gradient_collectives(graph: fx.Graph) -> int:
                     removed += len(batch) - 1
     graph.lint()
     return removed
+
+
+def _bucketable(node: fx.Node) -> bool:
+    """Waited on by one ``wait_tensor`` and nothing else, and for an ``all_to_all`` equal chunks
+    both ways (what ``collectives.all_to_all`` issues)."""
+    waited = len(node.users) == 1 and next(iter(node.users)).target is WAIT
+    if node.target is ALL_TO_ALL:
+        splits = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        chunks = splits["input_split_sizes"]
+        return waited and splits["output_split_sizes"] == chunks and len(set(chunks)) == 1
+    return waited
 
 
 def _independent(members: list[fx.Node]) -> list[list[fx.Node]]:
@@ -102,8 +114,6 @@ def _merge(graph: fx.Graph, batch: list[fx.Node]) -> None:
     results = splice_traced(graph, merged, messages, after=last)
     for member, result in zip(batch, results):
         (wait,) = member.users
-        if wait.target is not WAIT:
-            raise RuntimeError(f"bucketing: {member} is read by {wait.target}, not by a wait")
         wait.replace_all_uses_with(result)
         graph.erase_node(wait)
         graph.erase_node(member)

@@ -242,12 +242,16 @@ def block_of(fqn: str) -> str:
 
 
 def bucket_of(fqn: str) -> str:
-    """The bucket a layer's quantized gradient travels in (``passes/bucketing.py``): its parent
-    module where that lies in a block (``layers.3.attention`` for ``layers.3.attention.wq``), so a
-    Llama block sends its attention's gradients together and its feed-forward's together; a
-    layer outside any block (the output projection, the embedding) travels alone."""
-    parent = fqn.rpartition(".")[0]
-    return parent if block_of(parent) else fqn
+    """The bucket a layer's quantized gradient travels in (``passes/bucketing.py``): the child of
+    its block that holds it (``layers.3.attention`` for ``layers.3.attention.qkv_linear.wqkv`` and
+    ``layers.3.attention.wo``; ``layers.3.feed_forward`` for ``w1``, ``w2``, ``w3``), the block
+    itself for a layer directly in it, and the layer alone outside any block (the output
+    projection, the embedding)."""
+    block = block_of(fqn)
+    if not block:
+        return fqn
+    child = fqn[len(block) + 1:].split(".")
+    return f"{block}.{child[0]}" if len(child) > 1 else block
 
 
 def batch_statistics(graph: fx.Graph) -> None:
