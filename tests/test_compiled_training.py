@@ -305,13 +305,13 @@ def test_non_finite_gradients_propagate_to_every_rank(ranks):
         assert not any(finite.values())  # every reduced gradient shows the NaN, no crash
 
 
-def ddp_compiled_autograd_steps(rank, world, cache_root, steps=3):
+def ddp_compiled_autograd_steps(rank, world, cache_root, steps=3, blocks=3):
     """DDP with the python reducer: its all_reduces live in the compiled-autograd graph."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_root
     torch._dynamo.config.optimize_ddp = "python_reducer"
     torch._dynamo.config.compiled_autograd = True
     torch.manual_seed(0)
-    model = MLP()
+    model = Stack(MLPBlock, blocks)
     reference_model = copy.deepcopy(model)
     reference = GiftReference(reference_model, CONFIG)
     backend = gift_backend(CONFIG, name="ddp")
@@ -331,18 +331,22 @@ def ddp_compiled_autograd_steps(rank, world, cache_root, steps=3):
         model.zero_grad()
         reference_model.zero_grad()
     paths = {fqn: (c.path, c.steps) for fqn, c in backend.runtime.counters.items()}
-    return diffs, paths
+    return diffs, paths, sum(c for p in backend.passes for c in p.collective_calls)
 
 
 def test_ddp_compiled_autograd_route_matches_the_reference(cache_root, ranks):
-    for diffs, paths in ranks(2).run(ddp_compiled_autograd_steps, cache_root):
+    for diffs, paths, collectives in ranks(2).run(ddp_compiled_autograd_steps, cache_root):
         # Layers are found through the parameters the compiled-autograd graph accumulates into;
         # DDP's FQNs carry its "module." prefix, which the trailing-component pattern "fc2" matches.
-        assert paths == {"module.fc1": ("fp8", 3), "module.fc2": ("gift", 3)}
+        assert paths == {f"module.layers.{i}.{fc}": (path, 3) for i in range(3) for fc, path in (("fc1", "fp8"), ("fc2", "gift"))}
         for step in diffs:  # same codec and transforms as the reference: bit-exact weights
-            assert step["fc1.weight"] == 0.0 and step["fc2.weight"] == 0.0
-            # DDP divides by the world size before its fp32 sum, the reference after: rounding only.
-            assert step["fc1.bias"] < 1e-5 and step["fc2.bias"] < 1e-5
+            for name, diff in step.items():
+                # DDP divides by the world size before its fp32 sum, the reference after: rounding only.
+                assert diff == 0.0 if name.endswith("weight") else diff < 1e-5, name
+        # Per block one all_to_all and one all_gather carry fc1's and fc2's bytes (bucketed:
+        # passes/bucketing.py, while the reference sends each alone), one all_reduce the
+        # statistics, and the two biases their own fp32 all_reduce.
+        assert collectives == 3 * (2 + 1 + 2)
 
 
 class BrokenMLP(MLP):
