@@ -27,7 +27,8 @@ The left column says whose line it is:
   reaches several layers (a graph-wide op) shows ``*``;
 * a parameter's name (``fc2.bias``, from the collective's module metadata with ``replicate``'s
   parametrization path folded; ``-`` when unknown) for a collective the pass did not touch,
-  which is marked ``(original)``.
+  which is marked ``(original)`` (several parameters' collective, bucketed: their block's
+  name and ``*``);
 * ``<module path>.*`` for a collective that carries the gradients of several layers (a
   block's bucket, ``passes/bucketing.py``): their common module path, e.g. ``layers.1.*``.
 
@@ -58,6 +59,7 @@ import torch
 from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
+from gift_compile.passes.bucketing import BUCKET
 from gift_compile.passes.gift_collectives import find_gradient_collectives
 from gift_compile.passes.graph_utils import innermost_module
 
@@ -232,6 +234,8 @@ def _common_owner(fqns: list[str]) -> str:
 
 def _parameter_name(collective: fx.Node) -> str:
     origin = innermost_module(collective)
+    if origin is None and BUCKET in collective.meta:  # several parameters' all-reduce, bucketed
+        return f"{collective.meta[BUCKET]}.*"
     return _PARAM_PATH.sub(r".\1", origin[0]) if origin is not None else "-"
 
 

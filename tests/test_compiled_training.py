@@ -197,16 +197,18 @@ def stacked_steps(rank, world, cache_root, blocks=3, steps=3):
 
 def test_bucketed_blocks_deliver_the_same_gradients_in_fewer_collectives(tmp_path, ranks):
     # One all_to_all and one all_gather per block carry the bytes each gradient's own would
-    # (passes/bucketing.py): every gradient the same bit for bit at every step (the whitened
-    # fc2 with its state and error feedback too), on both ranks, with two collectives fewer per
-    # block than one per gradient (fc1's and fc2's all_to_all and all_gather: 4 -> 2).
+    # (passes/bucketing.py), and one fp32 all_reduce the two biases: every gradient the same bit
+    # for bit at every step (the whitened fc2 with its state and error feedback too; two ranks
+    # add each bias element in one order either way), on both ranks, with three collectives
+    # fewer per block than one per gradient (fc1's and fc2's all_to_all and all_gather: 4 -> 2;
+    # the biases' all_reduce: 2 -> 1).
     results = ranks(2).run(stacked_steps, str(tmp_path))
     for grads, calls in results:
         for bucketed, alone in zip(grads[True], grads[False]):
             assert bucketed.keys() == alone.keys()
             for name in bucketed:
                 assert torch.equal(bucketed[name], alone[name]), name
-        assert calls[False] - calls[True] == 2 * 3
+        assert calls[False] - calls[True] == 3 * 3
     for name, grad in results[0][0][True][-1].items():
         assert torch.equal(grad, results[1][0][True][-1][name]), name  # the ranks agree
 

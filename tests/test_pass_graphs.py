@@ -298,48 +298,46 @@ wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_byte
         # Euclidean FP8. Per block, the two weight gradients' messages travel in one all_to_all
         # (520 + 520 bytes: fc2's and fc1's messages) and the re-encoded shards in one
         # all_gather, sent once the block's last gradient (fc1's) is encoded; everything that
-        # reads their results (the decodes, fc2's end_step) comes after. The biases keep their
-        # own fp32 all_reduce.
+        # reads their results (the decodes, fc2's end_step) comes after. The biases' fp32
+        # all_reduces, which the pass leaves as they are, go in one per block too (16 + 32 floats).
         torch.manual_seed(0)
         config = GiftConfig(layers=("fc2",), low_rank=4)
         selected = {"layers.0.fc2", "layers.1.fc2"}
         _, after = backward_before_and_after(replicate(Stack(MLPBlock)), config, "snap_bucket", selected, torch.randn(4, 16))
         self.assertExpectedInline(render_gift_graph(after), """\
-*                  gift::agree(NS, GROUP, description=...)
-layers.0.fc2       gift::begin_step(NS, layers.0.fc2, GROUP, d_out=16, d_in=32, whitened=True)
-layers.0.fc2       gift::load_basis(NS, layers.0.fc2, d_in=32, low_rank=4)
-layers.0.fc2       gift::input_sketch(max_tokens=8192)
-layers.0.fc2       all_reduce(sum, GROUP) float32[130]
-layers.1.fc2       gift::begin_step(NS, layers.1.fc2, GROUP, d_out=16, d_in=32, whitened=True)
-layers.1.fc2       gift::load_basis(NS, layers.1.fc2, d_in=32, low_rank=4)
-layers.1.fc2       gift::input_sketch(max_tokens=8192)
-layers.1.fc2       all_reduce(sum, GROUP) float32[130]
-layers.1.fc2       mm -> grad float32[16, 32]
-layers.1.fc2.bias  all_reduce(avg, GROUP) float32[16] -> wait  (original)
-layers.1.fc2       wait_tensor(all_reduce)
-layers.1.fc2       gift::whitening_from_sketch()
-layers.1.fc2       gift::meter(NS, layers.1.fc2, GROUP, collective=all_reduce, op=avg)
-layers.1.fc2       gift::load_residual(NS, layers.1.fc2, d_out=16, d_in=32)
-layers.1.fc2       gift::load_gather_residual(NS, layers.1.fc2, rows=8, cols=32)
-layers.1.fc1       mm -> grad float32[32, 16]
-layers.1.fc1.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
-layers.1.*         all_to_all_single(GROUP) uint8[1040] -> wait
-layers.1.*         all_gather_into_tensor(GROUP) uint8[520] -> wait
-layers.1.fc2       gift::end_step(NS, layers.1.fc2, GROUP, bytes_sent=520, stats_bytes=520)
-layers.1.fc1       gift::record_euclidean(NS, layers.1.fc1, path=fp8, bytes_sent=520)
-layers.0.fc2       mm -> grad float32[16, 32]
-layers.0.fc2.bias  all_reduce(avg, GROUP) float32[16] -> wait  (original)
-layers.0.fc2       wait_tensor(all_reduce)
-layers.0.fc2       gift::whitening_from_sketch()
-layers.0.fc2       gift::meter(NS, layers.0.fc2, GROUP, collective=all_reduce, op=avg)
-layers.0.fc2       gift::load_residual(NS, layers.0.fc2, d_out=16, d_in=32)
-layers.0.fc2       gift::load_gather_residual(NS, layers.0.fc2, rows=8, cols=32)
-layers.0.fc1       mm -> grad float32[32, 16]
-layers.0.fc1.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
-layers.0.*         all_to_all_single(GROUP) uint8[1040] -> wait
-layers.0.*         all_gather_into_tensor(GROUP) uint8[520] -> wait
-layers.0.fc2       gift::end_step(NS, layers.0.fc2, GROUP, bytes_sent=520, stats_bytes=520)
-layers.0.fc1       gift::record_euclidean(NS, layers.0.fc1, path=fp8, bytes_sent=520)""")
+*             gift::agree(NS, GROUP, description=...)
+layers.0.fc2  gift::begin_step(NS, layers.0.fc2, GROUP, d_out=16, d_in=32, whitened=True)
+layers.0.fc2  gift::load_basis(NS, layers.0.fc2, d_in=32, low_rank=4)
+layers.0.fc2  gift::input_sketch(max_tokens=8192)
+layers.0.fc2  all_reduce(sum, GROUP) float32[130]
+layers.1.fc2  gift::begin_step(NS, layers.1.fc2, GROUP, d_out=16, d_in=32, whitened=True)
+layers.1.fc2  gift::load_basis(NS, layers.1.fc2, d_in=32, low_rank=4)
+layers.1.fc2  gift::input_sketch(max_tokens=8192)
+layers.1.fc2  all_reduce(sum, GROUP) float32[130]
+layers.1.fc2  mm -> grad float32[16, 32]
+layers.1.fc2  wait_tensor(all_reduce)
+layers.1.fc2  gift::whitening_from_sketch()
+layers.1.fc2  gift::meter(NS, layers.1.fc2, GROUP, collective=all_reduce, op=avg)
+layers.1.fc2  gift::load_residual(NS, layers.1.fc2, d_out=16, d_in=32)
+layers.1.fc2  gift::load_gather_residual(NS, layers.1.fc2, rows=8, cols=32)
+layers.1.fc1  mm -> grad float32[32, 16]
+layers.1.*    all_reduce(avg, GROUP) float32[48] -> wait  (original)
+layers.1.*    all_to_all_single(GROUP) uint8[1040] -> wait
+layers.1.*    all_gather_into_tensor(GROUP) uint8[520] -> wait
+layers.1.fc2  gift::end_step(NS, layers.1.fc2, GROUP, bytes_sent=520, stats_bytes=520)
+layers.1.fc1  gift::record_euclidean(NS, layers.1.fc1, path=fp8, bytes_sent=520)
+layers.0.fc2  mm -> grad float32[16, 32]
+layers.0.fc2  wait_tensor(all_reduce)
+layers.0.fc2  gift::whitening_from_sketch()
+layers.0.fc2  gift::meter(NS, layers.0.fc2, GROUP, collective=all_reduce, op=avg)
+layers.0.fc2  gift::load_residual(NS, layers.0.fc2, d_out=16, d_in=32)
+layers.0.fc2  gift::load_gather_residual(NS, layers.0.fc2, rows=8, cols=32)
+layers.0.fc1  mm -> grad float32[32, 16]
+layers.0.*    all_reduce(avg, GROUP) float32[48] -> wait  (original)
+layers.0.*    all_to_all_single(GROUP) uint8[1040] -> wait
+layers.0.*    all_gather_into_tensor(GROUP) uint8[520] -> wait
+layers.0.fc2  gift::end_step(NS, layers.0.fc2, GROUP, bytes_sent=520, stats_bytes=520)
+layers.0.fc1  gift::record_euclidean(NS, layers.0.fc1, path=fp8, bytes_sent=520)""")
 
     def test_llama_block_every_collective_is_accounted_for(self):
         # 9 parameters: 7 Linear weights (the 4 attention projections GIFT, w1/w2/w3 Euclidean

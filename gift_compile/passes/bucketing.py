@@ -31,7 +31,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.operator_schemas import normalize_function
 
 from gift_compile.passes.graph_utils import splice_traced
-from gift_compile.passes.overlap import WAIT, group_name_of
+from gift_compile.passes.overlap import WAIT
 
 c10d = torch.ops._c10d_functional
 
@@ -41,17 +41,19 @@ BUCKET = "gift_bucket"
 
 ALL_TO_ALL = c10d.all_to_all_single.default
 ALL_GATHER = c10d.all_gather_into_tensor.default
+ALL_REDUCE = c10d.all_reduce.default
 
 
 def bucket_gradient_collectives(graph: fx.Graph) -> int:
     """Merge the collectives marked with :data:`BUCKET` (module docstring); returns how many
     collective calls per step this removed."""
     removed = 0
-    for target in (ALL_TO_ALL, ALL_GATHER):  # first phases first: a second phase reads their results
+    for target in (ALL_TO_ALL, ALL_GATHER, ALL_REDUCE):  # first phases first: a second phase reads their results
         buckets: dict[tuple, list[fx.Node]] = {}
         for node in graph.find_nodes(op="call_function", target=target):
             if BUCKET in node.meta and _bucketable(node):
-                key = (node.meta[BUCKET], group_name_of(node), node.args[0].meta["val"].dtype)
+                arguments = _arguments(node)
+                key = (node.meta[BUCKET], arguments["group_name"], arguments.get("reduce_op"), node.args[0].meta["val"].dtype)
                 buckets.setdefault(key, []).append(node)
         for members in buckets.values():
             for batch in _independent(members):
@@ -68,10 +70,14 @@ def _bucketable(node: fx.Node) -> bool:
     both ways (what ``collectives.all_to_all`` issues)."""
     waited = len(node.users) == 1 and next(iter(node.users)).target is WAIT
     if node.target is ALL_TO_ALL:
-        splits = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+        splits = _arguments(node)
         chunks = splits["input_split_sizes"]
         return waited and splits["output_split_sizes"] == chunks and len(set(chunks)) == 1
     return waited
+
+
+def _arguments(node: fx.Node) -> dict:
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
 
 
 def _independent(members: list[fx.Node]) -> list[list[fx.Node]]:
@@ -94,24 +100,33 @@ def _independent(members: list[fx.Node]) -> list[list[fx.Node]]:
 
 
 def _merge(graph: fx.Graph, batch: list[fx.Node]) -> None:
-    target, group_name = batch[0].target, group_name_of(batch[0])
+    target, arguments = batch[0].target, _arguments(batch[0])
+    group_name = arguments["group_name"]
     world = torch.distributed.get_world_size(torch.distributed.distributed_c10d._resolve_process_group(group_name))
     messages = [m.args[0] for m in batch]
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(messages, key=order.__getitem__)
 
     def merged(*parts: torch.Tensor) -> list[torch.Tensor]:
-        per_rank = [p.reshape(world, -1) if target is ALL_TO_ALL else p.reshape(1, -1) for p in parts]
+        # rows: one chunk per destination (all_to_all), or the whole message; what comes back
+        # has one row per sender (all_to_all, all_gather), or the one sum (all_reduce)
+        per_rank = [p.reshape(world if target is ALL_TO_ALL else 1, -1) for p in parts]
         flat = torch.cat(per_rank, dim=1).reshape(-1)
         if target is ALL_TO_ALL:
             split = [flat.numel() // world] * world
             whole = c10d.wait_tensor(c10d.all_to_all_single(flat, split, split, group_name))
-        else:
+        elif target is ALL_GATHER:
             whole = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, world, group_name))
-        pieces = torch.split(whole.reshape(world, -1), [p.shape[1] for p in per_rank], dim=1)
+        else:
+            whole = c10d.wait_tensor(c10d.all_reduce(flat, arguments["reduce_op"], group_name))
+        rows = 1 if target is ALL_REDUCE else world
+        pieces = torch.split(whole.reshape(rows, -1), [p.shape[1] for p in per_rank], dim=1)
         return [piece.reshape(member.meta["val"].shape) for piece, member in zip(pieces, batch)]
 
+    present = set(graph.nodes)
     results = splice_traced(graph, merged, messages, after=last)
+    (call,) = (n for n in graph.find_nodes(op="call_function", target=target) if n not in present)
+    call.meta[BUCKET] = batch[0].meta[BUCKET]  # the merged call carries its bucket's name
     for member, result in zip(batch, results):
         (wait,) = member.users
         wait.replace_all_uses_with(result)

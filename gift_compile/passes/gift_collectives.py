@@ -64,7 +64,7 @@ from gift_compile.layer_step import CurrentFactors, LayerPlan, current_factors, 
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.bucketing import ALL_GATHER, ALL_TO_ALL, BUCKET, bucket_gradient_collectives
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
-from gift_compile.passes.overlap import STATISTICS, mark_gradient_collectives
+from gift_compile.passes.overlap import GRADIENT_COMM, STATISTICS, mark_gradient_collectives
 from gift_compile.passes.time_meter import CODEC
 from gift_compile.policy import ParamKind, Plan
 
@@ -226,12 +226,23 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
                     node.meta[BUCKET] = bucket_of(rewrite.found.fqn)
         batch_statistics(graph)
         if config.bucket:
+            bucket_left_alone(graph, before)
             bucket_gradient_collectives(graph)
         added = [n for n in graph.nodes if n not in before]
         mark_gradient_collectives(added)  # for the overlap scheduler
         for node in added:
             node.meta[CODEC] = True  # for the time meter (timing.py)
     graph.lint()
+
+
+def bucket_left_alone(graph: fx.Graph, original: set[fx.Node]) -> None:
+    """The gradient all-reduces the pass left as they are (``original``: small parameters, the
+    norm weights' and biases' fp32 all-reduce on the all-reduce route) go one per block: all of
+    a block's in one all-reduce of their concatenation, which sums each element as alone."""
+    for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        origin = innermost_module(node)
+        if node in original and node.meta.get(GRADIENT_COMM) and origin is not None and block_of(origin[0]):
+            node.meta[BUCKET] = block_of(origin[0])
 
 
 def block_of(fqn: str) -> str:

@@ -169,12 +169,12 @@ def statistics_on_own_group(graph: fx.Graph) -> tuple[int, int]:
     (``collectives.separate_statistics_group``)."""
     collectives = collectives_of(graph)
     statistics = [n for n in collectives if STATISTICS in n.meta]
-    others = {group_name_of(n) for n in collectives if STATISTICS not in n.meta}
-    return len(statistics), sum(group_name_of(n) not in others for n in statistics)
+    others = {_group_name(n) for n in collectives if STATISTICS not in n.meta}
+    return len(statistics), sum(_group_name(n) not in others for n in statistics)
 
 
-def group_name_of(collective: fx.Node) -> str:
+def _group_name(collective: fx.Node) -> str:
     return normalize_function(collective.target, collective.args, collective.kwargs, normalize_to_only_use_kwargs=True).kwargs["group_name"]
 
 
-__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "group_name_of", "mark_gradient_collectives", "overlap_gradient_collectives"]
+__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]
