@@ -137,9 +137,11 @@ class GiftConfig:
     """Graph routes: send the quantized gradients of the Linear layers of one child module of a
     block together (``layers.3.attention``, ``layers.3.feed_forward``: ``gift_collectives.bucket_of``),
     one ``all_to_all``, and on the all-reduce route one ``all_gather``, per module instead of per
-    gradient, so the round trips per step do not grow with the number of layers; the bytes and
-    the gradients are the same (``passes/bucketing.py``). Off: one call per gradient, each sent as
-    soon as it exists (a little earlier; on a link with latency, many more round trips)."""
+    gradient, and the fp32 all-reduces of the parameters it leaves as they are (norm weights,
+    biases) one per block, so the round trips per step do not grow with the number of layers;
+    the bytes and the quantized gradients are the same (``passes/bucketing.py``). Off: one call
+    per gradient, each sent as soon as it exists (a little earlier; on a link with latency, many
+    more round trips)."""
 
     meter_interval: int = 10
     """Every N steps, each whitened layer reads the live meter (``meter.py``): the error of the

@@ -1,6 +1,7 @@
 """Bucket the GIFT pass's gradient collectives: one ``all_to_all`` and one ``all_gather`` per
 module of a block (a Llama block's attention, its feed-forward) and process group instead of
-one per gradient (docs/design.md §10).
+one per gradient, and one all-reduce per block for the small gradients it leaves in fp32
+(docs/design.md §10).
 
 Every quantized reduction (``collectives.py``) sends a flat uint8 message per gradient: an
 ``all_to_all`` with equal chunks (the reduce-scatter), and on the all-reduce route an
@@ -17,7 +18,9 @@ same bytes as alone; an ``all_gather`` concatenates the members' messages and sp
 comes back per rank. The merged call goes out once the bucket's last member has its message;
 what read a member's result moves after it (a stable topological sort). A member whose message
 is computed from another member's result (a later phase of the same reduction) starts a new
-bucket instead. Which layers share a bucket is ``gift_collectives.bucket_of``: a module, not a
+bucket instead. The fp32 all-reduces the pass leaves as they are (norm weights, biases) are
+merged the same way, one per block: an all-reduce of a concatenation sums each element as
+alone. Which layers share a bucket is ``gift_collectives.bucket_of``: a module, not a
 whole block: a bucket's first gradient waits for its last, and block-wide buckets made FP8's
 step 20% slower on a link without added latency, where module-wide ones cost ~nothing
 (docs/design.md §10).

@@ -240,7 +240,7 @@ def bucket_left_alone(graph: fx.Graph, original: set[fx.Node]) -> None:
     norm weights' and biases' fp32 all-reduce on the all-reduce route) go one per block: all of
     a block's in one all-reduce of their concatenation, which sums each element as alone."""
     for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
-        origin = innermost_module(node)
+        origin = innermost_module(node) or innermost_module(node.args[0])  # graph_trainer: on the gradient only
         if node in original and node.meta.get(GRADIENT_COMM) and origin is not None and block_of(origin[0]):
             node.meta[BUCKET] = block_of(origin[0])
 
