@@ -236,9 +236,9 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
 
 
 def bucket_left_alone(graph: fx.Graph, original: set[fx.Node]) -> None:
-    """The gradient all-reduces the pass left as they are (``original``: small parameters, the
-    norm weights' and biases' fp32 all-reduce on the all-reduce route) go one per block: all of
-    a block's in one all-reduce of their concatenation, which sums each element as alone."""
+    """The gradient all-reduces the pass left as they are (in ``original``: on the all-reduce
+    route the norm weights' and biases', and any Linear weight left in fp32) go one per block:
+    all of a block's in one all-reduce of their concatenation, which sums each element as alone."""
     for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
         origin = innermost_module(node) or innermost_module(node.args[0])  # graph_trainer: on the gradient only
         if node in original and node.meta.get(GRADIENT_COMM) and origin is not None and block_of(origin[0]):
