@@ -61,7 +61,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from gift_compile.passes.bucketing import BUCKET
 from gift_compile.passes.gift_collectives import find_gradient_collectives
-from gift_compile.passes.graph_utils import innermost_module
+from gift_compile.passes.graph_utils import descendants, innermost_module
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -172,16 +172,6 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        for user in stack.pop().users:
-            if user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return seen
-
-
 def _gradient_mms(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     """The weight-gradient ``mm`` of each rewritten layer: the last ``mm`` (in graph order) behind
     the layer's last ``gift::`` op that no ``gift::`` op feeds (so not one the pass inserted:
@@ -212,7 +202,7 @@ def _collective_owners(nodes: list[fx.Node], grad_mms: dict[fx.Node, str]) -> di
     downstream = _downstream_layer(nodes)
     carried: dict[fx.Node, list[str]] = {}
     for mm, fqn in grad_mms.items():
-        for node in _descendants(mm):
+        for node in descendants(mm):
             if _is_collective(node):
                 carried.setdefault(node, []).append(fqn)
     owners = {node: _common_owner(fqns) for node, fqns in carried.items()}

@@ -33,7 +33,7 @@ from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.operator_schemas import normalize_function
 
-from gift_compile.passes.graph_utils import splice_traced
+from gift_compile.passes.graph_utils import descendants, splice_traced
 from gift_compile.passes.overlap import WAIT
 
 c10d = torch.ops._c10d_functional
@@ -93,12 +93,7 @@ def _independent(members: list[fx.Node]) -> list[list[fx.Node]]:
             batches.append([])
             cone = set()
         batches[-1].append(member)
-        pending = [member]
-        while pending:
-            for user in pending.pop().users:
-                if user not in cone:
-                    cone.add(user)
-                    pending.append(user)
+        cone |= descendants(member)
     return batches
 
 

@@ -47,6 +47,17 @@ def splice_traced(
     return result
 
 
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """Every node that reads ``node``'s value, directly or through others."""
+    seen, stack = set(), [node]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return seen
+
+
 def _insertion_point(graph: fx.Graph, before: fx.Node | None, after: fx.Node | None):
     if before is not None:
         return graph.inserting_before(before)
