@@ -295,19 +295,65 @@ class QuantizedReduction(NamedTuple):
 
 def quantized_reduce_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> QuantizedReduction:
     """Reduce-scatter ``x`` along dim 0 with FP8/FP4 payloads and per-sender scales."""
+    encoded = encode_scatter(x, op, group, wire)
+    return reduce_scattered(encoded, all_to_all(encoded.messages.reshape(-1), resolve_group(group)), x.shape, op, group, wire)
+
+
+class Encoded(NamedTuple):
+    """One sender's half of a quantized reduce-scatter, up to its exchange (a caller may send
+    several of them in one ``all_to_all``: ``exchange``)."""
+
+    messages: torch.Tensor
+    """uint8 ``(world, bytes)``: row ``j`` goes to rank ``j``."""
+    chunks: torch.Tensor
+    """What was encoded: ``(world, padded_shard_rows, cols)`` fp32."""
+    sent: torch.Tensor
+    """What ``chunks`` decode to."""
+    hits: torch.Tensor
+    """fp32 ``[saturated, flushed]``."""
+
+
+def encode_scatter(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> Encoded:
+    """The first half of :func:`quantized_reduce_scatter`: this rank's messages."""
     group = resolve_group(group)
     _check(x, op)
-    world = _world(group)
-    lay = layout(x.shape, world, wire)
+    lay = layout(x.shape, _world(group), wire)
     chunks = _chunked(x, lay)
     messages, sent, hits = _encode(chunks, lay, wire, group)
-    incoming = all_to_all(messages.reshape(-1), group)
+    return Encoded(messages, chunks, sent, hits)
+
+
+def reduce_scattered(encoded: Encoded, incoming: torch.Tensor, shape: torch.Size, op: ReduceOp, group,
+                     wire: WireFormat) -> QuantizedReduction:
+    """The second half of :func:`quantized_reduce_scatter`: ``incoming`` holds every sender's
+    message to this rank (``encoded``'s shape), each decoded with its own scales and summed."""
+    world = _world(resolve_group(group))
+    lay = layout(shape, world, wire)
     reduced = _decode(incoming.reshape(world, -1), lay, wire).sum(dim=0)
     if op == "avg":
         reduced = reduced / world
-    shard = reduced[: lay.shard_rows].reshape(lay.shard_rows, *x.shape[1:])
-    stats = torch.cat([hits, torch.stack([(chunks - sent).square().sum(), chunks.square().sum()])])
-    return QuantizedReduction(shard, _unchunk(sent, lay, x.shape), stats)
+    shard = reduced[: lay.shard_rows].reshape(lay.shard_rows, *shape[1:])
+    chunks, sent = encoded.chunks, encoded.sent
+    stats = torch.cat([encoded.hits, torch.stack([(chunks - sent).square().sum(), chunks.square().sum()])])
+    return QuantizedReduction(shard, _unchunk(sent, lay, shape), stats)
+
+
+def exchange(messages: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Send several ``(world, bytes)`` messages in one ``all_to_all`` (row ``j`` of each to rank
+    ``j``); returns what every sender sent this rank, per message: the bytes each would receive
+    alone, in one round trip (``passes/bucketing.py`` does the same in a graph)."""
+    group = resolve_group(group)
+    whole = all_to_all(torch.cat(messages, dim=1).reshape(-1), group).reshape(_world(group), -1)
+    return list(torch.split(whole, [m.shape[1] for m in messages], dim=1))
+
+
+def reduce_many(rows: list[torch.Tensor], op: ReduceOp, group, wire: WireFormat, collective: str) -> list[torch.Tensor]:
+    """Several dense tensors reduced in one call: each ``(world, n)`` for a reduce-scatter (row
+    ``r`` is rank ``r``'s part) or ``(1, n)`` for an all-reduce; returns this rank's ``(n,)``
+    result per tensor. Every element is summed as it would be alone."""
+    whole = torch.cat(rows, dim=1)
+    reduced = reduce_scatter(whole, op, group, wire) if collective == "reduce_scatter" else all_reduce(whole, op, group, wire)
+    return list(torch.split(reduced.reshape(-1), [r.shape[1] for r in rows]))
 
 
 def _unchunk(chunks: torch.Tensor, lay: Layout, shape: torch.Size) -> torch.Tensor:

@@ -42,13 +42,16 @@ import torch
 import torch.distributed as dist
 
 from gift_compile.collectives import (
+    Encoded,
     WireFormat,
     all_gather,
     all_reduce,
-    quantized_all_gather,
-    quantized_reduce_scatter,
+    all_to_all,
+    encode_scatter,
     layout,
+    quantized_all_gather,
     reduce_scatter,
+    reduce_scattered,
     resolve_group,
 )
 from gift_compile.geometry import Whitening
@@ -99,28 +102,75 @@ def quantized_reduce(
     gather_dtype: str = "wire",
 ) -> Reduction:
     """Reduce one 2-D gradient through its quantized wire (module docstring). ``whitening=None`` is the
-    Euclidean path (``T = I``); ``residual`` / ``gather_residual`` turn error feedback on."""
+    Euclidean path (``T = I``); ``residual`` / ``gather_residual`` turn error feedback on.
+
+    :func:`encode_reduction`, the ``all_to_all`` of its messages, :func:`finish_reduction`: a
+    caller that reduces several gradients at once calls the halves and sends every message in
+    one call (``collectives.exchange``; the FSDP route)."""
+    _check_arguments(collective, gather_dtype)
+    encoded = encode_reduction(g, whitening, residual, op=op, group=group, wire=wire)
+    incoming = all_to_all(encoded.scatter.messages.reshape(-1), resolve_group(group))
+    return finish_reduction(g, whitening, residual, gather_residual, encoded, incoming, op=op, group=group, wire=wire,
+                            collective=collective, gather_dtype=gather_dtype)
+
+
+class EncodedReduction(NamedTuple):
+    """:func:`quantized_reduce` up to its ``all_to_all``."""
+
+    scatter: Encoded
+    """The reduce-scatter's half: ``scatter.messages`` is what goes on the wire."""
+    payload: torch.Tensor
+    """What was sent, in G's coordinates: ``G + R`` (or ``G`` where the guard dropped ``R``)."""
+    sent_coords: torch.Tensor
+    """``payload`` whitened: what was encoded."""
+    dropped: torch.Tensor | None
+    """The residual guard's verdict (0-d bool, True where ``R`` was not sent), or None without a residual."""
+
+
+def encode_reduction(
+    g: torch.Tensor, whitening: Whitening | None, residual: torch.Tensor | None, *, op: str, group, wire: WireFormat,
+) -> EncodedReduction:
+    """The first half of :func:`quantized_reduce`: whiten ``G + R`` and encode it."""
     if g.dim() != 2:
         raise ValueError(f"the quantized gradient path takes 2-D (d_out, d_in) gradients, got shape {tuple(g.shape)}")
-    _check_collective(collective)
-    if gather_dtype not in GATHER_DTYPES:
-        raise ValueError(f"gather_dtype must be one of {GATHER_DTYPES}, got {gather_dtype!r}")
     group = resolve_group(group)
-    whiten = whitening.whiten if whitening is not None else _identity
-    unwhiten = whitening.unwhiten if whitening is not None else _identity
-
-    dropped = []  # the residual guard's verdicts, 0-d bools: True where a residual was not sent
+    dropped = None
     if residual is None:
         payload = g.float()
-        sent_coords = whiten(payload)
+        sent_coords = whitening.whiten(payload) if whitening is not None else payload
     elif whitening is None:  # Euclidean: T never changes, so the residual stays a rounding error
         payload = g.float() + residual
         sent_coords = payload
     else:
         payload, kept, projected = guarded_sum(g.float(), residual, whitening)
         sent_coords = whitening.whiten(payload, projected)
-        dropped.append(~kept)
-    scattered = quantized_reduce_scatter(sent_coords, op, group, wire)
+        dropped = ~kept
+    return EncodedReduction(encode_scatter(sent_coords, op, group, wire), payload, sent_coords, dropped)
+
+
+def finish_reduction(
+    g: torch.Tensor,
+    whitening: Whitening | None,
+    residual: torch.Tensor | None,
+    gather_residual: torch.Tensor | None,
+    encoded: EncodedReduction,
+    incoming: torch.Tensor,
+    *,
+    op: str,
+    group,
+    wire: WireFormat,
+    collective: str,
+    gather_dtype: str = "wire",
+) -> Reduction:
+    """The second half of :func:`quantized_reduce`, from what every sender sent this rank
+    (``incoming``, the shape of ``encoded.scatter.messages``): decode and sum, the new
+    residual, unwhiten, and on the all-reduce route the second stage."""
+    _check_arguments(collective, gather_dtype)
+    group = resolve_group(group)
+    unwhiten = whitening.unwhiten if whitening is not None else _identity
+    scattered = reduce_scattered(encoded.scatter, incoming, encoded.sent_coords.shape, op, group, wire)
+    payload, sent_coords = encoded.payload, encoded.sent_coords
+    dropped = [] if encoded.dropped is None else [encoded.dropped]
     # This rank's round trip, in G's coordinates. Non-finite entries (whitening has already
     # spread one over its row) are dropped before unwhitening: there the zeroing fuses with the
     # encoder's pass; after it, it would take a pass over R' of its own.
@@ -143,7 +193,7 @@ def quantized_reduce(
         elif whitening is None:
             shard = scattered.reduced + gather_residual
         else:
-            whitened_residual = whiten(gather_residual)
+            whitened_residual = whitening.whiten(gather_residual)
             kept = keeps_residual(whitened_residual.square().sum(), scattered.reduced.square().sum())
             shard = torch.where(kept, scattered.reduced + whitened_residual, scattered.reduced)
             dropped.append(~kept)
@@ -198,3 +248,9 @@ def finite_or_zero(error: torch.Tensor) -> torch.Tensor:
 def _check_collective(collective: str) -> None:
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+
+
+def _check_arguments(collective: str, gather_dtype: str) -> None:
+    _check_collective(collective)
+    if gather_dtype not in GATHER_DTYPES:
+        raise ValueError(f"gather_dtype must be one of {GATHER_DTYPES}, got {gather_dtype!r}")

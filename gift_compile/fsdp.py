@@ -6,7 +6,8 @@ lets us own that collective. Its input is ``world * S`` elements: row ``r`` of
 ``input.view(world, S)`` is every parameter's ``r``-th dim-0 chunk (``ceil(d0 / world)`` rows,
 zero-padded), concatenated in the group's parameter order; the output is this rank's ``S``.
 So each parameter's slot, read across the ``world`` rows, is this rank's whole local gradient
-(plus zero rows), and :class:`GiftReduceScatter` reduces it parameter by parameter:
+(plus zero rows), and :class:`GiftReduceScatter` reduces it parameter by parameter, each
+parameter's way:
 
 * as ``policy.plan`` says, the same rule as every other route: selected Linear weights GIFT
   (``layer_step.reduce_layer``: input-side whitening acts on each row, so it commutes with the
@@ -23,10 +24,16 @@ the same input. The reduce-scatter waits for it when the gradient arrives. Every
 (state, error feedback, meter, fallback, counters, checkpoints) is the same runtime the
 compiled-graph route uses.
 
-The codec body (whiten, FP8/FP4 encode, ``all_to_all``, decode, unwhiten, the new residual) runs
-compiled: FSDP2 calls the reduce-scatter eagerly, so :func:`compiled_quantized_reduce` is
-``torch.compile(comm.quantized_reduce)``, one static-shape graph per parameter shape and path, in
-which Inductor fuses the transforms with the casts as on the graph route.
+The parameters' messages travel together (``[gift] bucket``, the default): every parameter
+of the group is encoded first (``comm.encode_reduction``: whiten, FP8/FP4 encode), then one
+``all_to_all`` carries all the quantized messages and one reduce-scatter the dense ones (norm
+weights in the reduce dtype), then each parameter is decoded, unwhitened and given its new
+residual (``comm.finish_reduction``). Each receives the bytes it would alone, so the gradients
+are bit for bit those of one collective per parameter, in two calls per block instead of one per
+parameter. FSDP2 hands over a block's gradients at once, so no gradient waits for another.
+Both codec halves run compiled: FSDP2 calls the reduce-scatter eagerly, so :data:`COMPILED_CODEC`
+is ``torch.compile`` of each, one static-shape graph per parameter shape and path, in which
+Inductor fuses the transforms with the casts as on the graph route.
 
 HSDP: on a 2-D mesh FSDP2 follows the reduce-scatter with a replicate-group ``all_reduce`` in
 the reduce dtype, and torch 2.13 offers no hook to replace it (``set_all_reduce_hook`` runs
@@ -44,6 +51,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,18 +62,28 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from gift_compile import policy, timing
 from gift_compile.agreement import describe
-from gift_compile.collectives import WireFormat, bytes_sent
+from gift_compile.collectives import WireFormat, bytes_sent, exchange, reduce_many
 from gift_compile.config import GiftConfig
-from gift_compile.comm import Reduction, euclidean_reduce, quantized_reduce
-from gift_compile.layer_step import EagerAccess, InputStatistics, LayerPlan, begin_eagerly, reduce_layer
+from gift_compile.comm import STATS, EncodedReduction, Reduction, encode_reduction, finish_reduction
+from gift_compile.layer_step import EagerAccess, InputStatistics, LayerPlan, begin_eagerly, prepare_reduction
 from gift_compile.policy import Plan
 from gift_compile.runtime import GiftRuntime, get_runtime
 from gift_compile.static_compile import static_compile
 
 log = logging.getLogger(__name__)
 
-compiled_quantized_reduce = static_compile(quantized_reduce)
-""":func:`comm.quantized_reduce`, compiled (module docstring); same arguments, same result."""
+
+class Codec(NamedTuple):
+    """The quantized codec's two halves, either side of the exchange (``comm.encode_reduction``,
+    ``comm.finish_reduction``): compiled, or as they are."""
+
+    encode: Callable[..., EncodedReduction]
+    finish: Callable[..., Reduction]
+
+
+COMPILED_CODEC = Codec(static_compile(encode_reduction), static_compile(finish_reduction))
+"""The codec compiled (module docstring); the same arguments and results, bit for bit."""
+EAGER_CODEC = Codec(encode_reduction, finish_reduction)
 
 
 @dataclass(frozen=True)
@@ -133,8 +151,8 @@ class FsdpRoute:
     hooked: set[str] = field(default_factory=set)
     replicate_group: dist.ProcessGroup | None = None
     """HSDP's replicate dimension (each group's all-reduce hook), or None."""
-    codec: Callable[..., Reduction] = compiled_quantized_reduce
-    """The quantized codec body: compiled (the default), or ``comm.quantized_reduce`` itself (``install(compile_codec=False)``)."""
+    codec: Codec = COMPILED_CODEC
+    """The quantized codec: :data:`COMPILED_CODEC` (the default), or :data:`EAGER_CODEC` (``install(compile_codec=False)``)."""
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     """Every group this route sends over (each shard group, the replicas), by name: the agreement's."""
     device: torch.device | None = None
@@ -186,6 +204,18 @@ class FsdpRoute:
         return runtime.integration
 
 
+@dataclass
+class Pending:
+    """One parameter's reduction up to its exchange: the message it sends (quantized: uint8
+    ``(world, bytes)``; dense: ``(world, n)`` rows for a reduce-scatter, ``(1, n)`` for an
+    all-reduce) and what makes its result from what arrives."""
+
+    message: torch.Tensor
+    dense: WireFormat | None
+    """The dense wire (summed on the wire), or None for a quantized message."""
+    complete: Callable[[torch.Tensor], torch.Tensor]
+
+
 class GiftReduceScatter(ReduceScatter):
     """The reduce-scatter of one FSDP parameter group (module docstring)."""
 
@@ -218,10 +248,12 @@ class GiftReduceScatter(ReduceScatter):
     def _reduce_scatter(self, output_tensor, rows, group, kind: str, factor: float | None) -> None:
         runtime = get_runtime(self.namespace)
         world = rows.shape[0]
+        pending = []
         for segment in self.segments:
+            # this rank's whole gradient: the padding rows are zeros
             local = rows[:, segment.offset : segment.offset + segment.numel].reshape(world * segment.shard_rows, segment.cols)
-            grad = local[: segment.shape[0]]  # this rank's whole gradient: the padding rows are zeros
-            shard = self._reduce(runtime, segment, grad, group, kind)
+            pending.append(self._begin(runtime, segment, local[: segment.shape[0]], group, kind))
+        for segment, shard in zip(self.segments, self._exchange(runtime, pending, group, kind, "reduce_scatter")):
             if factor is not None:
                 shard = shard * factor
             output_tensor[segment.offset : segment.offset + segment.numel].copy_(shard.reshape(-1))
@@ -235,31 +267,58 @@ class GiftReduceScatter(ReduceScatter):
     def _all_reduce(self, reduce_output: torch.Tensor) -> None:
         runtime = get_runtime(self.namespace)
         route = FsdpRoute.of(runtime)
+        pending, flats = [], []
         for segment in self.segments:
             flat = reduce_output[segment.offset : segment.offset + segment.numel]
             shard = flat.view(segment.shard_rows, segment.cols) if len(segment.shape) > 1 else flat
             key = f"{segment.layer or segment.module}@replicate"
-            reduced = self._stateless(runtime, route.plan(segment, replicas=True), key, segment, shard, route.replicate_group,
-                                      self._op, "all_reduce")
+            pending.append(self._stateless(runtime, route.plan(segment, replicas=True), key, segment, shard,
+                                           route.replicate_group, self._op, "all_reduce"))
+            flats.append(flat)
+        for flat, reduced in zip(flats, self._exchange(runtime, pending, route.replicate_group, self._op, "all_reduce")):
             flat.copy_(reduced.reshape(-1))
 
     @staticmethod
-    def _stateless(runtime: GiftRuntime, plan: Plan, key: str, segment: Segment, grad: torch.Tensor, group, op: str,
-                   collective: str) -> torch.Tensor:
-        """One reduction without state (compiled on a quantized wire), counted under ``key`` when 2-D."""
-        wire = plan.wire or WireFormat("bf16" if grad.dtype == torch.bfloat16 else "fp32")  # unchanged: the reduce dtype
-        if wire.quantized:
-            reduction = FsdpRoute.of(runtime).codec(grad, None, None, None, op=op, group=group, wire=wire, collective=collective,
-                                                    gather_dtype=plan.gather_dtype)
-        else:  # a dense wire: the collective alone, nothing to compile
-            reduction = euclidean_reduce(grad, op=op, group=group, wire=wire, collective=collective)
-        if len(segment.shape) > 1:  # counted on every wire, fp32 included: the bytes metrics sum these
-            # what this rank reduces: its whole gradient (reduce-scatter) or its shard (all-reduce)
-            nbytes = bytes_sent(tuple(grad.shape), dist.get_world_size(group), wire, collective, plan.gather_dtype)
-            runtime.record_euclidean(key, wire.dtype, reduction.stats, nbytes)
-        return reduction.output
+    def _exchange(runtime: GiftRuntime, pending: list[Pending], group, op: str, collective: str) -> list[torch.Tensor]:
+        """Send every message and complete every reduction: with ``bucket``, one ``all_to_all``
+        for the quantized messages and one collective per dense wire, for the whole group (FSDP
+        hands over a block's gradients together, so nothing waits longer); else one each."""
+        buckets = [pending] if runtime.config.bucket else [[p] for p in pending]
+        arrived: dict[int, torch.Tensor] = {}
+        for bucket in buckets:
+            quantized = [p for p in bucket if p.dense is None]
+            if quantized:
+                arrived.update(zip(map(id, quantized), exchange([p.message for p in quantized], group)))
+            for wire in dict.fromkeys(p.dense for p in bucket if p.dense is not None):
+                dense = [p for p in bucket if p.dense == wire]
+                arrived.update(zip(map(id, dense), reduce_many([p.message for p in dense], op, group, wire, collective)))
+        return [p.complete(arrived[id(p)]) for p in pending]
 
-    def _reduce(self, runtime: GiftRuntime, segment: Segment, grad: torch.Tensor, group, op: str) -> torch.Tensor:
+    @staticmethod
+    def _stateless(runtime: GiftRuntime, plan: Plan, key: str, segment: Segment, grad: torch.Tensor, group, op: str,
+                   collective: str) -> Pending:
+        """One reduction without state, counted under ``key`` when 2-D."""
+        wire = plan.wire or WireFormat("bf16" if grad.dtype == torch.bfloat16 else "fp32")  # unchanged: the reduce dtype
+
+        def counted(reduction: Reduction) -> torch.Tensor:
+            if len(segment.shape) > 1:  # counted on every wire, fp32 included: the bytes metrics sum these
+                # what this rank reduces: its whole gradient (reduce-scatter) or its shard (all-reduce)
+                nbytes = bytes_sent(tuple(grad.shape), dist.get_world_size(group), wire, collective, plan.gather_dtype)
+                runtime.record_euclidean(key, wire.dtype, reduction.stats, nbytes)
+            return reduction.output
+
+        if wire.quantized:
+            codec, arguments = FsdpRoute.of(runtime).codec, dict(op=op, group=group, wire=wire)
+            encoded = codec.encode(grad, None, None, **arguments)
+            return Pending(encoded.scatter.messages, None, lambda incoming: counted(codec.finish(
+                grad, None, None, None, encoded, incoming, **arguments, collective=collective, gather_dtype=plan.gather_dtype)))
+        # a dense wire: the collective alone, nothing to compile; rows as ``collectives.reduce_many`` takes them
+        rows = 1 if collective == "all_reduce" else dist.get_world_size(group)
+        zeros = grad.new_zeros(len(STATS), dtype=torch.float32)
+        return Pending(_rows_of(grad, rows), wire,
+                       lambda reduced: counted(Reduction(reduced.to(grad.dtype), None, None, zeros)))
+
+    def _begin(self, runtime: GiftRuntime, segment: Segment, grad: torch.Tensor, group, op: str) -> Pending:
         route = FsdpRoute.of(runtime)
         plan = route.plan(segment)
         if plan.whitened:
@@ -270,15 +329,25 @@ class GiftReduceScatter(ReduceScatter):
                     "forward hook did not run (install with gift_compile.fsdp.install)"
                 )
             step, token, statistics = pending
-            step = dataclasses.replace(step, op=op)
+            step, access = dataclasses.replace(step, op=op), EagerAccess(runtime)
             factors = statistics.factors(step) if statistics is not None else None
-            return reduce_layer(step, EagerAccess(runtime), grad, token, factors, reduce=route.codec)
-        if plan.stateful:
+        elif plan.stateful:
             # Euclidean with error feedback: the layer's step without whitening; it reads no
             # input, the gradient only gives the device.
-            step, access = dataclasses.replace(route.plans[segment.layer], op=op), EagerAccess(runtime)
-            return reduce_layer(step, access, grad, access.begin(step, grad, None), None, reduce=route.codec)
-        return self._stateless(runtime, plan, segment.layer or segment.module, segment, grad, group, op, "reduce_scatter")
+            step, access, factors = dataclasses.replace(route.plans[segment.layer], op=op), EagerAccess(runtime), None
+            token = access.begin(step, grad, None)
+        else:
+            return self._stateless(runtime, plan, segment.layer or segment.module, segment, grad, group, op, "reduce_scatter")
+        prepared = prepare_reduction(step, access, grad, token, factors)
+        encoded = route.codec.encode(grad, prepared.whitening, prepared.residual, op=op, group=group, wire=step.wire)
+        return Pending(encoded.scatter.messages, None, lambda incoming: prepared.end(route.codec.finish(
+            grad, prepared.whitening, prepared.residual, prepared.gather_residual, encoded, incoming, **step.reduction)))
+
+
+def _rows_of(grad: torch.Tensor, rows: int) -> torch.Tensor:
+    """``grad`` zero-padded to a multiple of ``rows`` rows, as ``(rows, n)``: one row per rank."""
+    padded = -(-grad.shape[0] // rows) * rows
+    return torch.nn.functional.pad(grad.reshape(grad.shape[0], -1), (0, 0, 0, padded - grad.shape[0])).reshape(rows, -1)
 
 
 def normalize_op(op) -> tuple[str, float | None]:
@@ -347,7 +416,7 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
     if replicate_group is not None and dist.get_world_size(replicate_group) == 1:
         replicate_group = None  # one replica: nothing to all-reduce
     route = FsdpRoute(namespace, runtime.config, replicate_group=replicate_group,
-                      codec=compiled_quantized_reduce if compile_codec else quantized_reduce)
+                      codec=COMPILED_CODEC if compile_codec else EAGER_CODEC)
     runtime.integration = route
     names = {module: name for name, module in model.named_modules()}
     seen = set()
@@ -392,4 +461,5 @@ def install(model: nn.Module, runtime: GiftRuntime, namespace: str, selected=fro
     return route
 
 
-__all__ = ["FsdpRoute", "GiftReduceScatter", "Segment", "compiled_quantized_reduce", "group_segments", "install", "normalize_op"]
+__all__ = ["COMPILED_CODEC", "Codec", "EAGER_CODEC", "FsdpRoute", "GiftReduceScatter", "Pending", "Segment", "group_segments",
+           "install", "normalize_op"]

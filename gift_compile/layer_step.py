@@ -103,6 +103,11 @@ class LayerPlan:
     def bytes_sent(self) -> int:
         return self.plan.bytes_sent((self.d_out, self.d_in), self.world, self.collective)
 
+    @property
+    def reduction(self) -> dict:
+        """The keyword arguments of this step's ``comm.quantized_reduce`` (and of its halves)."""
+        return dict(op=self.op, group=self.group, wire=self.wire, collective=self.collective, gather_dtype=self.plan.gather_dtype)
+
     def describe(self) -> str:
         """What this step sends, for the ranks' agreement (agreement.py)."""
         return self.plan.describe((self.d_out, self.d_in), self.collective, self.op, self.world)
@@ -176,11 +181,37 @@ def current_factors(
 
 def reduce_layer(
     plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, factors: CurrentFactors | None,
-    *, reduce=quantized_reduce,
 ) -> torch.Tensor:
     """Second half: factors, meter, the FP8 reduction with error feedback, ``end_step``.
-    ``factors``: :func:`current_factors` of the layer's input (current-step factors), else None.
-    ``reduce`` is :func:`comm.quantized_reduce` or a compiled version of it (the FSDP route)."""
+    ``factors``: :func:`current_factors` of the layer's input (current-step factors), else None."""
+    step = prepare_reduction(plan, access, grad, token, factors)
+    return step.end(quantized_reduce(grad, step.whitening, step.residual, step.gather_residual, **plan.reduction))
+
+
+@dataclass(frozen=True)
+class PreparedReduction:
+    """A layer's step between :func:`prepare_reduction` and its reduction's result: what the
+    reduction takes, and how the step ends."""
+
+    plan: LayerPlan
+    access: StateAccess
+    token: torch.Tensor
+    whitening: Whitening | None
+    residual: torch.Tensor | None
+    gather_residual: torch.Tensor | None
+    next_basis: torch.Tensor | None
+    next_scale: torch.Tensor | None
+
+    def end(self, reduction: Reduction) -> torch.Tensor:
+        """``end_step`` on the reduction; returns the reduced gradient."""
+        self.access.end(self.plan, self.token, reduction, self.next_basis, self.next_scale)
+        return reduction.output
+
+
+def prepare_reduction(
+    plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, factors: CurrentFactors | None,
+) -> PreparedReduction:
+    """:func:`reduce_layer` up to its reduction: the factors, the live meter, the residuals."""
     whitening, next_basis, next_scale = factors if factors is not None else (None, None, None)
     if plan.whitened:
         if whitening is None:
@@ -189,12 +220,7 @@ def reduce_layer(
         whitening = whitening.or_identity(token)
     residual = access.residual(plan, token) if plan.plan.error_feedback else None
     gather_residual = access.gather_residual(plan, token) if plan.plan.gather_error_feedback else None
-    reduction = reduce(
-        grad, whitening, residual, gather_residual, op=plan.op, group=plan.group, wire=plan.wire,
-        collective=plan.collective, gather_dtype=plan.plan.gather_dtype,
-    )
-    access.end(plan, token, reduction, next_basis, next_scale)
-    return reduction.output
+    return PreparedReduction(plan, access, token, whitening, residual, gather_residual, next_basis, next_scale)
 
 
 class EagerAccess:
@@ -290,6 +316,6 @@ def step_eagerly(
 
 
 __all__ = [
-    "CurrentFactors", "EagerAccess", "InputStatistics", "LayerPlan", "StateAccess", "begin_eagerly", "current_factors",
-    "issue_statistics", "reduce_layer", "step_eagerly",
+    "CurrentFactors", "EagerAccess", "InputStatistics", "LayerPlan", "PreparedReduction", "StateAccess", "begin_eagerly",
+    "current_factors", "issue_statistics", "prepare_reduction", "reduce_layer", "step_eagerly",
 ]

@@ -180,12 +180,12 @@ def timed_fsdp_steps(rank, world, compile_codec, delay=0.5):
     for step, sleeps in steps:
         codec, slept = route.codec, []
 
-        def late_codec(*args, **kwargs):
+        def late_encode(*args, **kwargs):
             if sleeps and not slept:
                 slept.append(time.sleep(delay))  # inside the reduce-scatter hook: codec time, and a wait for the peer
-            return codec(*args, **kwargs)
+            return codec.encode(*args, **kwargs)
 
-        route.codec = late_codec
+        route.codec = codec._replace(encode=late_encode)
         start = time.perf_counter()
         with timing.timed_step(namespace, cpu):
             model(tokens_of(step, rank)).backward()

@@ -145,14 +145,15 @@ def test_compiled_path_matches_the_oracle(factor_source, wire, ranks):
 def residual_across_a_refresh(rank, world):
     """Spy on what the reduce-scatter is asked to send at a refresh step and the step before."""
     sent = []
-    original = comm.quantized_reduce_scatter
+    original = comm.reduce_scattered
 
-    def spy(x, op, group, wire):
-        result = original(x, op, group, wire)
-        sent.append((x.clone(), result.sent.clone()))
+    def spy(encoded, incoming, shape, op, group, wire):
+        result = original(encoded, incoming, shape, op, group, wire)
+        # one rank, one scale: the only chunk is what was encoded, unpadded
+        sent.append((encoded.chunks.reshape(shape).clone(), result.sent.clone()))
         return result
 
-    comm.quantized_reduce_scatter = spy
+    comm.reduce_scattered = spy
     try:
         reducer = GiftReducer(config_for("periodic"))
         factors, grads = [], []
@@ -162,7 +163,7 @@ def residual_across_a_refresh(rank, world):
             reducer.reduce_layer("fc", grads[-1], x, collective="reduce_scatter")
             factors.append([t.clone() for t in reducer.state.layer("fc").factor_tensors()])
     finally:
-        comm.quantized_reduce_scatter = original
+        comm.reduce_scattered = original
     return sent, factors, grads
 
 
