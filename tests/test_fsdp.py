@@ -390,3 +390,60 @@ def test_fsdp_layers_reading_one_input_send_one_sketch(ranks):
         assert worst == 0.0
         assert {fqn for fqn, b in stats.items() if b > 0} == {"wq", "wo", "w1", "w2"}
         assert all(stats[fqn] == alone[fqn] for fqn in ("wq", "wo", "w1", "w2"))
+
+
+class CollectiveCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the functional collectives issued under it, by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] != "wait_tensor":
+            name = func.__name__.split(".")[0]
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def fsdp_block_bucketed_or_not(rank, world, bucket, steps=3):
+    """A Llama block under FSDP2 (one parameter group): q, k, v and w2 whitened, wo, w1 and w3
+    on Euclidean FP8, the norms in fp32; every gradient shard per step and the collectives each
+    backward issued."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    config = GiftConfig(layers=("wq", "wk", "wv", "w2"), low_rank=4, meter_interval=2, bucket=bucket)
+    model = LlamaBlock()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    namespace = f"fsdp-bucket-{bucket}"
+    install(model, register_runtime(namespace, config), namespace, set(config.layers), compile_codec=False)
+    grads, calls = [], []
+    for step in range(steps):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = model(x).square().mean()
+        with CollectiveCount() as count:
+            loss.backward()
+        calls.append(count.calls)
+        grads.append({name: p.grad.to_local().clone() for name, p in model.named_parameters()})
+        model.zero_grad()
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    return grads, calls, shapes
+
+
+def test_a_bucketed_fsdp_block_sends_the_same_gradients_in_two_collectives(ranks):
+    # FSDP2 hands GIFT a block's gradients in one buffer. Bucketed, every parameter is encoded
+    # first and the quantized messages travel in one all_to_all, the fp32 norm weights in one
+    # reduce-scatter; each parameter receives the bytes it would alone, so every gradient shard
+    # (state, residuals and factors included, over 3 steps) is bit for bit the same.
+    for (bucketed, calls, shapes), (alone, calls_alone, _) in zip(ranks(2).run(fsdp_block_bucketed_or_not, True),
+                                                                  ranks(2).run(fsdp_block_bucketed_or_not, False)):
+        for step, (got, want) in enumerate(zip(bucketed, alone)):
+            for name in want:
+                assert torch.equal(got[name], want[name]), f"{name} differs at step {step}"
+        matrices = sum(len(shape) == 2 for shape in shapes.values())  # 7 Linear weights
+        vectors = len(shapes) - matrices  # 2 norm weights
+        for step in range(len(calls)):
+            assert calls_alone[step] == {"all_to_all_single": matrices, "reduce_scatter_tensor": vectors}
+            assert calls[step] == {"all_to_all_single": 1, "reduce_scatter_tensor": 1}
