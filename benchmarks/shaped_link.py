@@ -8,6 +8,8 @@ the job is launched as a 2-node torchrun job (one rank per "node", gloo over the
 
 * in replicate mode (pure data parallel: the gradient all-reduces are all the traffic) and
 * in FSDP mode (the parameter all-gathers travel too, so only part of the traffic shrinks),
+  and, with ``--modes standard``, on torchtitan's standard trainer (FSDP2 ``fully_shard`` per
+  block, GIFT's custom reduce-scatter: ``gift_compile/fsdp.py``),
 
 under fp32, bf16, Euclidean FP8 and GIFT gradients, at several link rates, with the same seed
 and data, all in one invocation. For every run it reports the per-step time (mean over the
@@ -26,6 +28,7 @@ is missing. The namespaces it creates are always removed, also on Ctrl-C or a cr
     sudo python benchmarks/shaped_link.py --variants fp4 gift_fp4 --rates 50 --merge   # add cells to the saved table
     sudo python benchmarks/shaped_link.py --rates 200 --results shaped_link_200          # a table of its own
     sudo python benchmarks/shaped_link.py --rates 200 --modes replicate --variants fp8 gift gift_no_statistics gift_no_ef
+    sudo python benchmarks/shaped_link.py --rates 200 200+10ms --modes standard --variants fp8 fp8_per_gradient gift gift_per_gradient
     python benchmarks/shaped_link.py --render benchmarks/results/shaped_link.json    # the table again
 """
 
@@ -55,6 +58,8 @@ SUBNET = "10.77.{}.{}"
 MODES = {
     "replicate": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
     "fsdp": [],
+    # torchtitan's standard trainer: FSDP2 fully_shard per block, GIFT's custom reduce-scatter
+    "standard": ["--launch.config", "llama3_debug_standard"],
 }
 VARIANTS = {
     "fp32": ["--gift.no-enabled"],
@@ -492,7 +497,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", nargs="+", default=["50", "200", "1000", "unshaped", "200+2ms"],
                         help="link cells: a rate in Mbit/s, 'unshaped', or a rate with added round-trip delay ('200+2ms')")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["replicate", "fsdp"])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
     parser.add_argument("--render", type=Path, help="re-render the table and plots from a saved shaped_link.json")

@@ -139,7 +139,9 @@ class GiftConfig:
     one ``all_to_all``, and on the all-reduce route one ``all_gather``, per module instead of per
     gradient, and the fp32 all-reduces of the parameters it leaves as they are (norm weights,
     biases) one per block, so the round trips per step do not grow with the number of layers;
-    the bytes and the quantized gradients are the same (``passes/bucketing.py``). Off: one call
+    the bytes and the quantized gradients are the same (``passes/bucketing.py``). FSDP2's
+    standard trainer: each parameter group's (a block's) quantized gradients in one ``all_to_all``
+    and its dense ones (norm weights) in one reduce-scatter (``fsdp.py``). Off: one call
     per gradient, each sent as soon as it exists (a little earlier; on a link with latency, many
     more round trips)."""
 
