@@ -267,19 +267,27 @@ def round_trip(x: torch.Tensor, wire: WireFormat, world: int = 1, group=None) ->
     return _unchunk(sent, lay, x.shape).to(x.dtype)
 
 
-def _encode_shard(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor, Layout]:
+def encode_shard(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """An owner's encoding of its reduced shard (``ceil(rows / world)`` rows) for the all-reduce's
-    all-gather: ``(message, what its own rows decode to, layout)``."""
+    all-gather: ``(message, uint8 (1, bytes); what its own rows decode to)``."""
+    group = resolve_group(group)
     lay = layout((rows, *shard.shape[1:]), _world(group), wire)
     chunk = _pad_to_scale_blocks(shard.reshape(1, lay.shard_rows, lay.cols).float(), lay)
     messages, sent, _ = _encode(chunk, lay, wire, group)
-    return messages, sent[0, : lay.shard_rows].reshape(shard.shape), lay
+    return messages, sent[0, : lay.shard_rows].reshape(shard.shape)
+
+
+def decode_gathered(gathered: torch.Tensor, shape: tuple[int, ...], group, wire: WireFormat) -> torch.Tensor:
+    """Every owner's :func:`encode_shard` message (``(world, bytes)``, as gathered), each decoded
+    with its own scales: the reduced tensor of ``shape``, fp32."""
+    lay = layout(shape, _world(resolve_group(group)), wire)
+    return _unchunk(_decode(gathered.reshape(lay.world, -1), lay, wire), lay, shape)
 
 
 def shard_round_trip(shard: torch.Tensor, rows: int, group, wire: WireFormat) -> torch.Tensor:
     """What an owner's reduced shard decodes to after the all-gather's encoding (no communication
     but ``global_max`` scales): the live meter's shadow of the all-reduce's second stage."""
-    return _encode_shard(shard, rows, resolve_group(group), wire)[1]
+    return encode_shard(shard, rows, group, wire)[1]
 
 
 class QuantizedReduction(NamedTuple):
@@ -347,6 +355,14 @@ def exchange(messages: list[torch.Tensor], group) -> list[torch.Tensor]:
     return list(torch.split(whole, [m.shape[1] for m in messages], dim=1))
 
 
+def gather_many(messages: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Several all-gathers in one: each message (any shape, one dtype for all) from every rank;
+    returns, per message, ``(world, numel)``, row ``r`` rank ``r``'s."""
+    group = resolve_group(group)
+    whole = all_gather(torch.cat([m.reshape(1, -1) for m in messages], dim=1), group)
+    return list(torch.split(whole, [m.numel() for m in messages], dim=1))
+
+
 def reduce_many(rows: list[torch.Tensor], op: ReduceOp, group, wire: WireFormat, collective: str) -> list[torch.Tensor]:
     """Several dense tensors reduced in one call: each ``(world, n)`` for a reduce-scatter (row
     ``r`` is rank ``r``'s part) or ``(1, n)`` for an all-reduce; returns this rank's ``(n,)``
@@ -368,10 +384,8 @@ def quantized_all_gather(shard: torch.Tensor, rows: int, group, wire: WireFormat
     shard decodes to (``shard - own`` is its quantization error).
     """
     group = resolve_group(group)
-    messages, own, lay = _encode_shard(shard, rows, group, wire)
-    gathered = all_gather(messages, group)
-    decoded = _decode(gathered.reshape(lay.world, -1), lay, wire)
-    return _unchunk(decoded, lay, (rows, *shard.shape[1:])), own
+    message, own = encode_shard(shard, rows, group, wire)
+    return decode_gathered(all_gather(message, group), (rows, *shard.shape[1:]), group, wire), own
 
 
 def quantized_all_reduce(x: torch.Tensor, op: ReduceOp, group, wire: WireFormat) -> QuantizedReduction:

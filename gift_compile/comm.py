@@ -47,9 +47,10 @@ from gift_compile.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
+    decode_gathered,
     encode_scatter,
+    encode_shard,
     layout,
-    quantized_all_gather,
     reduce_scatter,
     reduce_scattered,
     resolve_group,
@@ -104,14 +105,20 @@ def quantized_reduce(
     """Reduce one 2-D gradient through its quantized wire (module docstring). ``whitening=None`` is the
     Euclidean path (``T = I``); ``residual`` / ``gather_residual`` turn error feedback on.
 
-    :func:`encode_reduction`, the ``all_to_all`` of its messages, :func:`finish_reduction`: a
-    caller that reduces several gradients at once calls the halves and sends every message in
-    one call (``collectives.exchange``; the FSDP route)."""
+    :func:`encode_reduction`, the ``all_to_all`` of its messages, :func:`reduce_received`, and
+    on the all-reduce route the all-gather of the reduced shards and :func:`finish_gathered`: a
+    caller that reduces several gradients at once calls the parts and sends every message of a
+    phase in one call (``collectives.exchange``, ``collectives.gather_many``; the FSDP route)."""
     _check_arguments(collective, gather_dtype)
+    group = resolve_group(group)
     encoded = encode_reduction(g, whitening, residual, op=op, group=group, wire=wire)
-    incoming = all_to_all(encoded.scatter.messages.reshape(-1), resolve_group(group))
-    return finish_reduction(g, whitening, residual, gather_residual, encoded, incoming, op=op, group=group, wire=wire,
-                            collective=collective, gather_dtype=gather_dtype)
+    incoming = all_to_all(encoded.scatter.messages.reshape(-1), group)
+    received = reduce_received(g, whitening, residual, gather_residual, encoded, incoming, op=op, group=group,
+                               wire=wire, collective=collective, gather_dtype=gather_dtype)
+    if isinstance(received, Reduction):
+        return received
+    gathered = all_gather(received.message, group)
+    return finish_gathered(g, whitening, received, gathered, group=group, wire=wire, gather_dtype=gather_dtype)
 
 
 class EncodedReduction(NamedTuple):
@@ -148,7 +155,20 @@ def encode_reduction(
     return EncodedReduction(encode_scatter(sent_coords, op, group, wire), payload, sent_coords, dropped)
 
 
-def finish_reduction(
+class Gathering(NamedTuple):
+    """:func:`reduce_received` on the all-reduce route: all but the all-gather of the reduced
+    shards and what follows it (:func:`finish_gathered`)."""
+
+    message: torch.Tensor
+    """What this rank sends every rank: its reduced shard, re-encoded (``gather_dtype="wire"``,
+    uint8 ``(1, bytes)``) or unwhitened in bf16."""
+    residual: torch.Tensor | None
+    gather_residual: torch.Tensor | None
+    stats: torch.Tensor
+    """As :class:`Reduction`'s: the all-gather adds nothing to them."""
+
+
+def reduce_received(
     g: torch.Tensor,
     whitening: Whitening | None,
     residual: torch.Tensor | None,
@@ -161,10 +181,10 @@ def finish_reduction(
     wire: WireFormat,
     collective: str,
     gather_dtype: str = "wire",
-) -> Reduction:
+) -> Reduction | Gathering:
     """The second half of :func:`quantized_reduce`, from what every sender sent this rank
     (``incoming``, the shape of ``encoded.scatter.messages``): decode and sum, the new
-    residual, unwhiten, and on the all-reduce route the second stage."""
+    residual, unwhiten; on the all-reduce route the second stage up to its all-gather."""
     _check_arguments(collective, gather_dtype)
     group = resolve_group(group)
     unwhiten = whitening.unwhiten if whitening is not None else _identity
@@ -180,29 +200,46 @@ def finish_reduction(
     squares = scattered.stats[2:] if whitening is None else torch.stack([error.square().sum(), payload.square().sum()])
     stats = [scattered.stats, squares]
 
-    new_gather_residual = None
     if collective == "reduce_scatter":
-        output = unwhiten(scattered.reduced)
-    elif gather_dtype == "bf16":
+        return Reduction(unwhiten(scattered.reduced).to(g.dtype), new_residual, None, _with_drops(stats, dropped))
+    if gather_dtype == "bf16":
         shard = unwhiten(scattered.reduced).to(torch.bfloat16)
-        gathered = all_gather(shard, group).float()
-        output = gathered[: g.shape[0]]
+        return Gathering(shard, new_residual, None, _with_drops(stats, dropped))
+    if gather_residual is None:
+        shard = scattered.reduced
+    elif whitening is None:
+        shard = scattered.reduced + gather_residual
     else:
-        if gather_residual is None:
-            shard = scattered.reduced
-        elif whitening is None:
-            shard = scattered.reduced + gather_residual
-        else:
-            whitened_residual = whitening.whiten(gather_residual)
-            kept = keeps_residual(whitened_residual.square().sum(), scattered.reduced.square().sum())
-            shard = torch.where(kept, scattered.reduced + whitened_residual, scattered.reduced)
-            dropped.append(~kept)
-        full, own = quantized_all_gather(shard, g.shape[0], group, wire)
-        if gather_residual is not None or whitening is not None:
-            new_gather_residual = unwhiten(finite_or_zero(shard - own))
-        output = unwhiten(full)
+        whitened_residual = whitening.whiten(gather_residual)
+        kept = keeps_residual(whitened_residual.square().sum(), scattered.reduced.square().sum())
+        shard = torch.where(kept, scattered.reduced + whitened_residual, scattered.reduced)
+        dropped.append(~kept)
+    message, own = encode_shard(shard, g.shape[0], group, wire)
+    new_gather_residual = None
+    if gather_residual is not None or whitening is not None:
+        new_gather_residual = unwhiten(finite_or_zero(shard - own))
+    return Gathering(message, new_residual, new_gather_residual, _with_drops(stats, dropped))
+
+
+def finish_gathered(
+    g: torch.Tensor, whitening: Whitening | None, gathering: Gathering, gathered: torch.Tensor, *, group,
+    wire: WireFormat, gather_dtype: str = "wire",
+) -> Reduction:
+    """The all-reduce route's end, from every owner's :attr:`Gathering.message` (``gathered``,
+    rank ``r``'s first): the whole reduced gradient, decoded with each owner's scales and
+    unwhitened."""
+    if gather_dtype == "bf16":
+        output = gathered.float().reshape(-1, g.shape[1])[: g.shape[0]]
+    else:
+        unwhiten = whitening.unwhiten if whitening is not None else _identity
+        output = unwhiten(decode_gathered(gathered, tuple(g.shape), group, wire))
+    return Reduction(output.to(g.dtype), gathering.residual, gathering.gather_residual, gathering.stats)
+
+
+def _with_drops(stats: list[torch.Tensor], dropped: list[torch.Tensor]) -> torch.Tensor:
+    """The :data:`STATS` row: ``stats`` and the count of residuals the guard dropped."""
     drops = torch.stack(dropped).sum(dtype=torch.float32) if dropped else torch.zeros((), device=stats[0].device)
-    return Reduction(output.to(g.dtype), new_residual, new_gather_residual, torch.cat([*stats, drops[None]]))
+    return torch.cat([*stats, drops[None]])
 
 
 def keeps_residual(residual_sq: torch.Tensor, carrier_sq: torch.Tensor) -> torch.Tensor:

@@ -28,12 +28,15 @@ The parameters' messages travel together (``[gift] bucket``, the default): every
 of the group is encoded first (``comm.encode_reduction``: whiten, FP8/FP4 encode), then one
 ``all_to_all`` carries all the quantized messages and one reduce-scatter the dense ones (norm
 weights in the reduce dtype), then each parameter is decoded, unwhitened and given its new
-residual (``comm.finish_reduction``). Each receives the bytes it would alone, so the gradients
+residual (``comm.reduce_received``). Each receives the bytes it would alone, so the gradients
 are bit for bit those of one collective per parameter, in two calls per block instead of one per
 parameter. FSDP2 hands over a block's gradients at once, so no gradient waits for another.
-Both codec halves run compiled: FSDP2 calls the reduce-scatter eagerly, so :data:`COMPILED_CODEC`
-is ``torch.compile`` of each, one static-shape graph per parameter shape and path, in which
-Inductor fuses the transforms with the casts as on the graph route.
+HSDP's replicate all-reduce does the same per phase: one ``all_to_all``, then one all-gather of
+every owner's re-encoded shards (``collectives.gather_many``, ``comm.finish_gathered``), and one
+all-reduce of the dense ones. The codec's parts run compiled: FSDP2 calls the reduce-scatter
+eagerly, so :data:`COMPILED_CODEC` is ``torch.compile`` of each, one static-shape graph per
+parameter shape and path, in which Inductor fuses the transforms with the casts as on the graph
+route.
 
 HSDP: on a 2-D mesh FSDP2 follows the reduce-scatter with a replicate-group ``all_reduce`` in
 the reduce dtype, and torch 2.13 offers no hook to replace it (``set_all_reduce_hook`` runs
@@ -62,9 +65,17 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from gift_compile import policy, timing
 from gift_compile.agreement import describe
-from gift_compile.collectives import WireFormat, bytes_sent, exchange, reduce_many
+from gift_compile.collectives import WireFormat, bytes_sent, exchange, gather_many, reduce_many
 from gift_compile.config import GiftConfig
-from gift_compile.comm import STATS, EncodedReduction, Reduction, encode_reduction, finish_reduction
+from gift_compile.comm import (
+    STATS,
+    EncodedReduction,
+    Gathering,
+    Reduction,
+    encode_reduction,
+    finish_gathered,
+    reduce_received,
+)
 from gift_compile.layer_step import EagerAccess, InputStatistics, LayerPlan, begin_eagerly, prepare_reduction
 from gift_compile.policy import Plan
 from gift_compile.runtime import GiftRuntime, get_runtime
@@ -74,16 +85,34 @@ log = logging.getLogger(__name__)
 
 
 class Codec(NamedTuple):
-    """The quantized codec's two halves, either side of the exchange (``comm.encode_reduction``,
-    ``comm.finish_reduction``): compiled, or as they are."""
+    """The quantized codec's parts, either side of its collectives (``comm.encode_reduction``,
+    ``comm.reduce_received``, ``comm.finish_gathered``): compiled, or as they are."""
 
     encode: Callable[..., EncodedReduction]
-    finish: Callable[..., Reduction]
+    receive: Callable[..., Reduction | Gathering]
+    gathered: Callable[..., Reduction]
+
+    def pending(self, grad: torch.Tensor, whitening, residual, gather_residual, end: Callable[[Reduction], torch.Tensor],
+                *, op: str, group, wire: WireFormat, collective: str, gather_dtype: str) -> Pending:
+        """``comm.quantized_reduce`` of ``grad`` with its collectives left to the caller: encoded
+        now; what arrives makes the result, ``end(reduction)``, or on the all-reduce route the
+        all-gather's ``Pending`` first."""
+        encoded = self.encode(grad, whitening, residual, op=op, group=group, wire=wire)
+
+        def received(incoming: torch.Tensor) -> torch.Tensor | Pending:
+            stage = self.receive(grad, whitening, residual, gather_residual, encoded, incoming, op=op, group=group,
+                                 wire=wire, collective=collective, gather_dtype=gather_dtype)
+            if isinstance(stage, Reduction):
+                return end(stage)
+            return Pending(stage.message, "all_gather", lambda gathered: end(
+                self.gathered(grad, whitening, stage, gathered, group=group, wire=wire, gather_dtype=gather_dtype)))
+
+        return Pending(encoded.scatter.messages, "all_to_all", received)
 
 
-COMPILED_CODEC = Codec(static_compile(encode_reduction), static_compile(finish_reduction))
+COMPILED_CODEC = Codec(static_compile(encode_reduction), static_compile(reduce_received), static_compile(finish_gathered))
 """The codec compiled (module docstring); the same arguments and results, bit for bit."""
-EAGER_CODEC = Codec(encode_reduction, finish_reduction)
+EAGER_CODEC = Codec(encode_reduction, reduce_received, finish_gathered)
 
 
 @dataclass(frozen=True)
@@ -206,14 +235,16 @@ class FsdpRoute:
 
 @dataclass
 class Pending:
-    """One parameter's reduction up to its exchange: the message it sends (quantized: uint8
-    ``(world, bytes)``; dense: ``(world, n)`` rows for a reduce-scatter, ``(1, n)`` for an
-    all-reduce) and what makes its result from what arrives."""
+    """One parameter's reduction up to its next collective: the message it sends and what makes
+    its result, or its next ``Pending``, from what arrives."""
 
     message: torch.Tensor
-    dense: WireFormat | None
-    """The dense wire (summed on the wire), or None for a quantized message."""
-    complete: Callable[[torch.Tensor], torch.Tensor]
+    via: str | WireFormat
+    """How the message travels: ``"all_to_all"`` (quantized, uint8 ``(world, bytes)``, row ``j``
+    to rank ``j``), ``"all_gather"`` (the all-reduce's reduced shard, to every rank), or the
+    dense wire it is summed on (``(world, n)`` rows for a reduce-scatter, ``(1, n)`` for an
+    all-reduce)."""
+    complete: Callable[[torch.Tensor], torch.Tensor | Pending]
 
 
 class GiftReduceScatter(ReduceScatter):
@@ -280,19 +311,11 @@ class GiftReduceScatter(ReduceScatter):
 
     @staticmethod
     def _exchange(runtime: GiftRuntime, pending: list[Pending], group, op: str, collective: str) -> list[torch.Tensor]:
-        """Send every message and complete every reduction: with ``bucket``, one ``all_to_all``
-        for the quantized messages and one collective per dense wire, for the whole group (FSDP
-        hands over a block's gradients together, so nothing waits longer); else one each."""
+        """Send every message and complete every reduction: with ``bucket``, the whole group's
+        messages of a phase in one collective per way of travel (FSDP hands over a block's
+        gradients together, so nothing waits longer); else one gradient at a time."""
         buckets = [pending] if runtime.config.bucket else [[p] for p in pending]
-        arrived: dict[int, torch.Tensor] = {}
-        for bucket in buckets:
-            quantized = [p for p in bucket if p.dense is None]
-            if quantized:
-                arrived.update(zip(map(id, quantized), exchange([p.message for p in quantized], group)))
-            for wire in dict.fromkeys(p.dense for p in bucket if p.dense is not None):
-                dense = [p for p in bucket if p.dense == wire]
-                arrived.update(zip(map(id, dense), reduce_many([p.message for p in dense], op, group, wire, collective)))
-        return [p.complete(arrived[id(p)]) for p in pending]
+        return [result for bucket in buckets for result in _send(bucket, group, op, collective)]
 
     @staticmethod
     def _stateless(runtime: GiftRuntime, plan: Plan, key: str, segment: Segment, grad: torch.Tensor, group, op: str,
@@ -308,10 +331,8 @@ class GiftReduceScatter(ReduceScatter):
             return reduction.output
 
         if wire.quantized:
-            codec, arguments = FsdpRoute.of(runtime).codec, dict(op=op, group=group, wire=wire)
-            encoded = codec.encode(grad, None, None, **arguments)
-            return Pending(encoded.scatter.messages, None, lambda incoming: counted(codec.finish(
-                grad, None, None, None, encoded, incoming, **arguments, collective=collective, gather_dtype=plan.gather_dtype)))
+            return FsdpRoute.of(runtime).codec.pending(grad, None, None, None, counted, op=op, group=group, wire=wire,
+                                                       collective=collective, gather_dtype=plan.gather_dtype)
         # a dense wire: the collective alone, nothing to compile; rows as ``collectives.reduce_many`` takes them
         rows = 1 if collective == "all_reduce" else dist.get_world_size(group)
         zeros = grad.new_zeros(len(STATS), dtype=torch.float32)
@@ -339,9 +360,30 @@ class GiftReduceScatter(ReduceScatter):
         else:
             return self._stateless(runtime, plan, segment.layer or segment.module, segment, grad, group, op, "reduce_scatter")
         prepared = prepare_reduction(step, access, grad, token, factors)
-        encoded = route.codec.encode(grad, prepared.whitening, prepared.residual, op=op, group=group, wire=step.wire)
-        return Pending(encoded.scatter.messages, None, lambda incoming: prepared.end(route.codec.finish(
-            grad, prepared.whitening, prepared.residual, prepared.gather_residual, encoded, incoming, **step.reduction)))
+        return route.codec.pending(grad, prepared.whitening, prepared.residual, prepared.gather_residual, prepared.end,
+                                   **step.reduction)
+
+
+def _send(bucket: list[Pending], group, op: str, collective: str) -> list[torch.Tensor]:
+    """Complete ``bucket``'s reductions, phase by phase: each round sends every waiting message
+    in one collective per way of travel and dtype, and a completion may wait for another round
+    (the all-reduce's all-gather). The order is the same on every rank: the segments'."""
+    results: list[torch.Tensor | Pending] = list(bucket)
+    while waiting := [i for i, r in enumerate(results) if isinstance(r, Pending)]:
+        arrived: dict[int, torch.Tensor] = {}
+        for via, dtype in dict.fromkeys((results[i].via, results[i].message.dtype) for i in waiting):
+            same = [i for i in waiting if (results[i].via, results[i].message.dtype) == (via, dtype)]
+            messages = [results[i].message for i in same]
+            if via == "all_to_all":
+                got = exchange(messages, group)
+            elif via == "all_gather":
+                got = gather_many(messages, group)
+            else:
+                got = reduce_many(messages, op, group, via, collective)
+            arrived.update(zip(same, got))
+        for i in waiting:
+            results[i] = results[i].complete(arrived[i])
+    return results
 
 
 def _rows_of(grad: torch.Tensor, rows: int) -> torch.Tensor:

@@ -406,19 +406,22 @@ class CollectiveCount(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def fsdp_block_bucketed_or_not(rank, world, bucket, steps=3):
+def fsdp_block_bucketed_or_not(rank, world, bucket, replicas=1, steps=3):
     """A Llama block under FSDP2 (one parameter group): q, k, v and w2 whitened, wo, w1 and w3
     on Euclidean FP8, the norms in fp32; every gradient shard per step and the collectives each
-    backward issued."""
+    backward issued. ``replicas=2``: HSDP, sharded over ``world / 2`` ranks, GIFT's all-reduce
+    hook across the two replicas."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     config = GiftConfig(layers=("wq", "wk", "wv", "w2"), low_rank=4, meter_interval=2, bucket=bucket)
     model = LlamaBlock()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh["shard"])
     namespace = f"fsdp-bucket-{bucket}"
-    install(model, register_runtime(namespace, config), namespace, set(config.layers), compile_codec=False)
+    install(model, register_runtime(namespace, config), namespace, set(config.layers),
+            replicate_group=mesh["replicate"].get_group(), compile_codec=False)
     grads, calls = [], []
     for step in range(steps):
         x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -447,3 +450,22 @@ def test_a_bucketed_fsdp_block_sends_the_same_gradients_in_two_collectives(ranks
         for step in range(len(calls)):
             assert calls_alone[step] == {"all_to_all_single": matrices, "reduce_scatter_tensor": vectors}
             assert calls[step] == {"all_to_all_single": 1, "reduce_scatter_tensor": 1}
+
+
+def test_a_bucketed_hsdp_block_sends_the_same_gradients_in_five_collectives(ranks):
+    # HSDP (2 replicas x 2 shards): after the shard group's two collectives, the replicate
+    # all-reduce hook reduces each shard across the replicas: quantized, an all_to_all and then
+    # the owners' all-gather per matrix; the norm weights an fp32 all-reduce. Bucketed, each
+    # phase sends the whole block in one call, with bit-identical shards over 3 steps.
+    for (bucketed, calls, shapes), (alone, calls_alone, _) in zip(ranks(4).run(fsdp_block_bucketed_or_not, True, 2),
+                                                                  ranks(4).run(fsdp_block_bucketed_or_not, False, 2)):
+        for step, (got, want) in enumerate(zip(bucketed, alone)):
+            for name in want:
+                assert torch.equal(got[name], want[name]), f"{name} differs at step {step}"
+        matrices = sum(len(shape) == 2 for shape in shapes.values())
+        vectors = len(shapes) - matrices
+        for step in range(len(calls)):
+            assert calls_alone[step] == {"all_to_all_single": 2 * matrices, "reduce_scatter_tensor": vectors,
+                                         "all_gather_into_tensor": matrices, "all_reduce": vectors}
+            assert calls[step] == {"all_to_all_single": 2, "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1,
+                                   "all_reduce": 1}
