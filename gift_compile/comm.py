@@ -86,8 +86,9 @@ class Reduction(NamedTuple):
     """fp32, laid out as :data:`STATS`."""
 
 
-def _identity(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _unwhitener(whitening: Whitening | None):
+    """``T^-1`` as a function: the identity on the Euclidean path."""
+    return whitening.unwhiten if whitening is not None else (lambda t: t)
 
 
 def quantized_reduce(
@@ -187,7 +188,7 @@ def reduce_received(
     residual, unwhiten; on the all-reduce route the second stage up to its all-gather."""
     _check_arguments(collective, gather_dtype)
     group = resolve_group(group)
-    unwhiten = whitening.unwhiten if whitening is not None else _identity
+    unwhiten = _unwhitener(whitening)
     scattered = reduce_scattered(encoded.scatter, incoming, encoded.sent_coords.shape, op, group, wire)
     payload, sent_coords = encoded.payload, encoded.sent_coords
     dropped = [] if encoded.dropped is None else [encoded.dropped]
@@ -231,7 +232,7 @@ def finish_gathered(
     if gather_dtype == "bf16":
         output = gathered.float().reshape(-1, g.shape[1])[: g.shape[0]]
     else:
-        unwhiten = whitening.unwhiten if whitening is not None else _identity
+        unwhiten = _unwhitener(whitening)
         output = unwhiten(decode_gathered(gathered, tuple(g.shape), group, wire))
     return Reduction(output.to(g.dtype), gathering.residual, gathering.gather_residual, gathering.stats)
 

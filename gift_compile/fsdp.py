@@ -370,9 +370,11 @@ def _send(bucket: list[Pending], group, op: str, collective: str) -> list[torch.
     (the all-reduce's all-gather). The order is the same on every rank: the segments'."""
     results: list[torch.Tensor | Pending] = list(bucket)
     while waiting := [i for i, r in enumerate(results) if isinstance(r, Pending)]:
+        kinds: dict[tuple, list[int]] = {}
+        for i in waiting:
+            kinds.setdefault((results[i].via, results[i].message.dtype), []).append(i)
         arrived: dict[int, torch.Tensor] = {}
-        for via, dtype in dict.fromkeys((results[i].via, results[i].message.dtype) for i in waiting):
-            same = [i for i in waiting if (results[i].via, results[i].message.dtype) == (via, dtype)]
+        for (via, _), same in kinds.items():
             messages = [results[i].message for i in same]
             if via == "all_to_all":
                 got = exchange(messages, group)
