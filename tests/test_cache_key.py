@@ -24,19 +24,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "gift_compile"
 def files_that_run(rank, world):
     ran = set()
 
-    def watch(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
+    def watch(frame, event, arg):  # a global trace function: called at each Python call only
+        if frame.f_code.co_filename.startswith(str(PACKAGE)):
             ran.add(frame.f_code.co_filename)
+        # returns None: no line events in the frame. (A profile function, called at every C call
+        # and return too, made this test ~20% slower: 77 s against 63 s on 2 cores.)
 
     torch.manual_seed(0)
     model = replicate(MLP())
     compiled = torch.compile(model, backend=gift_backend(GiftConfig(layers=("fc2",), low_rank=4, meter_interval=1)), fullgraph=True)
-    sys.setprofile(watch)
+    sys.settrace(watch)
     try:
         for step in range(2):  # the first compiles (the pass traces layer_step), the second replays
             compiled(torch.randn(4, 16)).square().mean().backward()
     finally:
-        sys.setprofile(None)
+        sys.settrace(None)
     return sorted(ran)
 
 

@@ -76,6 +76,10 @@ def test_auto_profiles_then_whitens_the_chosen_layers(runs):
         assert others == {"fp8"}  # every other Linear (and the embedding) as Euclidean FP8
     assert first.last("gift/bytes_per_step/gift") > 0
     assert first.last("gift/error_vs_fp8") is not None and first.last("gift/stats_bytes_per_step") > 0
+    # The profile's graph runs its 2 steps with the codec eager (compiling its regions would cost
+    # more than it saves); the graph traced after the switch compiles the codec, on both ranks.
+    assert re.findall(r"GIFT pass: .*; codec (eager|compiled)", first.log) == ["eager"] * 2 + ["compiled"] * 2
+    assert re.findall(r"GIFT pass: .*; codec (eager|compiled)", runs.resumed.log) == ["compiled"] * 2
 
 
 def test_cuda_graph_pass_is_kept_away_from_the_gift_ops(runs):

@@ -30,7 +30,8 @@ INTEGRATION_FIELDS: dict[str, tuple[type, object, str]] = {
         "(integration) Compile the codec's arithmetic (whiten, encode, decode, unwhiten) with Inductor, or run "
         "it eagerly: the same bits either way. graph_trainer: its regional_inductor_pass compiles the codec's "
         "regions of the joint graph, which otherwise runs as eager FX; the standard trainer: one graph per "
-        "parameter shape and path. Compiling costs seconds at the first step and makes every later step faster.",
+        "parameter shape and path. Compiling costs seconds at the first step and makes every later step faster. "
+        "On graph_trainer the profile steps of layers = \"auto\" run it eagerly (their graph runs only those steps).",
     ),
 }
 _SECTION_OVERRIDES: dict[str, tuple[type, object]] = {

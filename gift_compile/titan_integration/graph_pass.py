@@ -202,17 +202,17 @@ def gift_joint_graph_pass(gm: fx.GraphModule, example_inputs=None, *, namespace:
             accounting.untouched_bytes += nbytes
             accounting.untouched_linear_bytes += nbytes if g.fqn is not None else 0
     gc.apply_rewrites(graph, rewrites, ctx.config, namespace)
-    if ctx.compile_codec:
-        compile_codec_regions(graph)
+    compiled = compile_codec_regions(graph) if ctx.compile_codec else 0
 
     graph.lint()
     gm.recompile()
     ctx.accounting = accounting
     log.info(
-        "GIFT pass: %d gradient collectives; whitened %s: %d %s; Euclidean %s/%s: %d; unchanged: %d",
+        "GIFT pass: %d gradient collectives; whitened %s: %d %s; Euclidean %s/%s: %d; unchanged: %d; %s",
         accounting.collectives, ctx.config.gift_dtype, len(accounting.rewritten_gift), accounting.rewritten_gift,
         ctx.config.euclidean_dtype, ctx.config.embedding_dtype, len(accounting.rewritten_euclidean),
         accounting.collectives - len(accounting.rewritten_gift) - len(accounting.rewritten_euclidean),
+        f"codec compiled ({compiled} ops in regions)" if compiled else "codec eager",
     )
     return gm
 

@@ -90,8 +90,12 @@ class GraphRoute:
         if disabled:
             log.info("GIFT: graph passes %s disabled (a CUDA graph would skip the gift:: ops' per-step Python)", disabled)
 
-    def select(self, config: GiftConfig, chosen: list[str], *, retrace: bool) -> None:
-        set_pass_context(PassContext(NAMESPACE, config, frozenset(chosen), self.compile_codec))
+    def select(self, config: GiftConfig, chosen: list[str], *, retrace: bool, profiling: bool) -> None:
+        # The profile's graph runs auto_profile_steps steps: compiling its codec regions (~75 s of
+        # a 2-rank CPU debug job with a cold cache) costs far more than running them eagerly for
+        # those steps, and changes no bit (regional Inductor keeps eager numerics).
+        compile_codec = self.compile_codec and not profiling
+        set_pass_context(PassContext(NAMESPACE, config, frozenset(chosen), compile_codec))
         if retrace:
             self.trainer._traced_step = None  # graph_trainer retraces and reruns the pass pipeline
 
@@ -109,7 +113,8 @@ class Fsdp2Route:
         self.route = fsdp.install(self.model, runtime, NAMESPACE, replicate_group=replicas, compile_codec=section.compile_codec)
         self._accounting = self._count()
 
-    def select(self, config: GiftConfig, chosen: list[str], *, retrace: bool) -> None:
+    def select(self, config: GiftConfig, chosen: list[str], *, retrace: bool, profiling: bool) -> None:
+        # the profile's Euclidean codec graphs are the ones the unchosen layers use afterwards
         self.route.select(self.model, chosen, config)
 
     def _count(self) -> GraphAccounting:
@@ -153,7 +158,7 @@ class GiftSession:
             statistics_follow_pg_timeouts()
         self.route = GraphRoute(trainer, section) if route == "graph" else Fsdp2Route(trainer, self.runtime, section)
         self._create_layer_states(self.chosen)
-        self.route.select(self._wire_config(), self.chosen, retrace=False)
+        self.route.select(self._wire_config(), self.chosen, retrace=False, profiling=self.profiling)
         if getattr(trainer.checkpointer, "enable", False):
             trainer.checkpointer.states[KEY] = GiftCheckpointState(self.runtime)
             explain_failed_loads(trainer.checkpointer, self.runtime)
@@ -201,7 +206,7 @@ class GiftSession:
             log.warning("GIFT auto: no Linear layer had an FP8 boundary hit; every layer stays Euclidean FP8")
         self._create_layer_states(self.chosen)
         self.runtime.counters.clear()
-        self.route.select(self._wire_config(), self.chosen, retrace=True)
+        self.route.select(self._wire_config(), self.chosen, retrace=True, profiling=self.profiling)
 
     # -- metrics ---------------------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
