@@ -100,42 +100,79 @@ def get_pass_context(namespace: str) -> PassContext:
     return context
 
 
+CODEC_REGION = "gift_codec"
+"""The ``inductor_region`` of the codec's tagged nodes (``cut_codec_regions`` cuts them)."""
+REGION_PREFIX = "__marked_inductor_submod"
+"""The submodules torch's regional Inductor compiles are the ones named with this prefix."""
+
+
 def compile_codec_regions(graph: fx.Graph) -> int:
     """Tag the codec's tensor arithmetic for graph_trainer's ``regional_inductor_pass``, which
     compiles tagged regions with Inductor (fused, bit for bit the eager numerics) while the rest
     of the joint graph runs as FX Python. Collectives, waits and ``gift::`` ops stay outside, so
-    the overlap pass can still move them. Returns the nodes tagged.
-
-    Each connected piece of codec arithmetic (one layer's encode, or its decode with the next
-    phase's encode) is a region of its own. Under one shared region name the partitioner would
-    fuse every piece it can without a cycle, e.g. layer k's decode (after k's wait) with layer
-    j's encode (before j's collective): the fused call runs after k's wait, so j's bytes could
-    not leave before k's arrived and the communication would run serially after all."""
+    the overlap pass can still move them. :func:`cut_codec_regions` cuts the tagged nodes into
+    regions before the pass runs. Returns the nodes tagged."""
     codec = [node for node in graph.nodes
              if node.meta.get(time_meter.CODEC) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
              and node.target.namespace in ("aten", "prims")]
-    parent = {node: node for node in codec}
-
-    def root(node: fx.Node) -> fx.Node:
-        while parent[node] is not node:
-            parent[node] = parent[parent[node]]
-            node = parent[node]
-        return node
-
     for node in codec:
-        for used in node.all_input_nodes:
-            if used in parent:
-                parent[root(used)] = root(node)
-    regions: dict[fx.Node, str] = {}
-    for node in codec:
-        name = regions.setdefault(root(node), f"gift_codec_{len(regions)}")
-        node.meta.setdefault("custom", {})["compile_with_inductor"] = {"inductor_region": name}
+        node.meta.setdefault("custom", {})["compile_with_inductor"] = {"inductor_region": CODEC_REGION}
     return len(codec)
 
 
+def cut_codec_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Cut the codec's tagged nodes into the submodules regional Inductor compiles, before it
+    does, in the way that keeps the communication overlapped and the compile cheap:
+
+    - Pieces join only along their own edges, each connected piece of codec arithmetic (one
+      layer's encode, or its decode with the next phase's encode) a region. Regional Inductor's
+      own cut fuses every piece of one region name it can without a cycle, e.g. layer k's
+      decode (after k's wait) with layer j's encode (before j's collective): the fused call
+      runs after k's wait, so j's bytes could not leave before k's arrived and the
+      communication would run serially after all. One partitioner pass for all pieces: one per
+      region name cost O(regions x nodes), ~24 s on the debug model.
+    - Each region's nodes are renamed ``n0, n1, ...`` in graph order, without stack traces.
+      Inductor's caches key a graph by its code, names included: under the joint graph's
+      names every region was a compile of its own (84 on the debug model), under canonical
+      names the regions of same-shaped layers share one (14), and more layers add cache hits.
+    - The cut copies the tags onto the regions' outputs; they are removed, so regional
+      Inductor finds nothing left to cut (its own regions, e.g. FlexAttention's, keep their
+      tags) and compiles the submodules as they are."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from torch.fx.passes.operator_support import create_op_support
+    from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+    def is_codec(node: fx.Node) -> bool:
+        tag = (node.meta.get("custom") or {}).get("compile_with_inductor")
+        return isinstance(tag, dict) and tag.get("inductor_region") == CODEC_REGION
+
+    support = create_op_support(lambda _modules, node: node.op == "call_function" and is_codec(node))
+    partitions = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True,
+                                            skip_horizontal_fusion=True).propose_partitions()
+    if not partitions:
+        return gm
+    gm = fuse_by_partitions(gm, [p.nodes for p in partitions], prefix=f"{REGION_PREFIX}_{CODEC_REGION}_",
+                            always_return_tuple=True)
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target.startswith(f"{REGION_PREFIX}_{CODEC_REGION}_"):
+            region = gm.get_submodule(node.target)
+            for i, inner in enumerate(region.graph.nodes):  # two rounds: a new name may be an old one
+                inner._rename(f"gift_tmp_{i}")
+            for i, inner in enumerate(region.graph.nodes):
+                inner._rename(f"n{i}")
+                if inner.op == "placeholder":  # its target is the argument's name
+                    inner.target = inner.name
+                inner.meta.pop("stack_trace", None)
+            region.recompile()
+        elif is_codec(node):  # a region's output: a new dict, the region's nodes share this one
+            node.meta["custom"] = {k: v for k, v in node.meta["custom"].items() if k != "compile_with_inductor"}
+    gm.recompile()
+    return gm
+
+
 def keep_codec_marks(regional_pass):
-    """``regional_pass`` (graph_trainer's regional Inductor) such that the time meter still
-    knows the codec: the compiled calls (and their ``getitem`` outputs) that replace GIFT's
+    """``regional_pass`` (graph_trainer's regional Inductor) run on the regions
+    :func:`cut_codec_regions` cuts, such that the time meter still knows the codec: the compiled calls (and their ``getitem`` outputs) that replace GIFT's
     tagged arithmetic carry no meta of their own, so a new node is marked as codec when it
     reads from or feeds a codec node or a gradient wait (repeated until nothing changes: a
     region may feed another). A region of someone else's next to GIFT's would be counted as
@@ -143,7 +180,7 @@ def keep_codec_marks(regional_pass):
 
     def run(gm: fx.GraphModule, *args, **kwargs) -> fx.GraphModule:
         before = {n.name for n in gm.graph.nodes}  # by name: the pass may rebuild the graph from copies
-        gm = regional_pass(gm, *args, **kwargs)
+        gm = regional_pass(cut_codec_regions(gm), *args, **kwargs)
         waits = time_meter.gradient_waits(gm.graph)
         new = [n for n in gm.graph.nodes if n.name not in before and n.op in ("call_function", "call_module")]
         changed = True
