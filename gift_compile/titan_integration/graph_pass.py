@@ -134,7 +134,7 @@ def cut_codec_regions(gm: fx.GraphModule) -> fx.GraphModule:
     - Each region's nodes are renamed ``n0, n1, ...`` in graph order, without stack traces.
       Inductor's caches key a graph by its code, names included: under the joint graph's
       names every region was a compile of its own (84 on the debug model), under canonical
-      names the regions of same-shaped layers share one (14), and more layers add cache hits.
+      names the regions of same-shaped layers share one (18), and more layers add cache hits.
     - The cut copies the tags onto the regions' outputs; they are removed, so regional
       Inductor finds nothing left to cut (its own regions, e.g. FlexAttention's, keep their
       tags) and compiles the submodules as they are."""
@@ -172,11 +172,11 @@ def cut_codec_regions(gm: fx.GraphModule) -> fx.GraphModule:
 
 def keep_codec_marks(regional_pass):
     """``regional_pass`` (graph_trainer's regional Inductor) run on the regions
-    :func:`cut_codec_regions` cuts, such that the time meter still knows the codec: the compiled calls (and their ``getitem`` outputs) that replace GIFT's
-    tagged arithmetic carry no meta of their own, so a new node is marked as codec when it
-    reads from or feeds a codec node or a gradient wait (repeated until nothing changes: a
-    region may feed another). A region of someone else's next to GIFT's would be counted as
-    codec too; graph_trainer's own regions (FlexAttention) touch no gradient collective."""
+    :func:`cut_codec_regions` cuts, such that the time meter still knows the codec: the
+    compiled calls that replace GIFT's tagged arithmetic carry no meta of their own, so a new
+    node is marked as codec when it reads from or feeds a codec node or a gradient wait
+    (repeated until nothing changes: a region may feed another). A region of someone else's
+    next to GIFT's would be counted as codec too; graph_trainer's own regions (FlexAttention) touch no gradient collective."""
 
     def run(gm: fx.GraphModule, *args, **kwargs) -> fx.GraphModule:
         before = {n.name for n in gm.graph.nodes}  # by name: the pass may rebuild the graph from copies
