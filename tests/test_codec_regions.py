@@ -4,6 +4,8 @@ layers are not fused (every collective then waits for the last of their gradient
 decode with a later encode (the later layer's bytes then wait for the earlier layer's); and
 same-shaped layers' regions are one compile."""
 
+import logging
+
 import torch
 from torch import fx
 from torch._dynamo.utils import counters
@@ -15,6 +17,7 @@ from graph_render import ancestors
 
 from gift_compile.passes import time_meter
 from gift_compile.passes.overlap import GRADIENT_COMM
+from gift_compile.titan_integration import graph_pass
 from gift_compile.titan_integration.graph_pass import (
     REGION_PREFIX, compile_codec_regions, cut_codec_regions, keep_codec_marks,
 )
@@ -54,11 +57,13 @@ def regions_of(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(REGION_PREFIX)]
 
 
-def test_each_layer_codec_is_a_region_of_its_own_and_none_is_left_to_cut():
+def test_each_layer_codec_is_a_region_of_its_own_and_none_is_left_to_cut(caplog):
     gm = two_layer_graph()
     assert compile_codec_regions(gm.graph) == 4
-    cut = cut_codec_regions(gm)
+    with caplog.at_level(logging.INFO, logger=graph_pass.__name__):
+        cut = cut_codec_regions(gm)
     assert len(regions_of(cut)) == 4  # two encodes and two decodes, all unconnected
+    assert "GIFT codec regions: 4, 2 distinct graphs" in caplog.text  # an encode and a decode
     assert not [n for n in cut.graph.nodes if "compile_with_inductor" in (n.meta.get("custom") or {})]
 
 
