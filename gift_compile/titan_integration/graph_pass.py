@@ -131,8 +131,9 @@ def cut_codec_regions(gm: fx.GraphModule) -> fx.GraphModule:
     """Cut the codec's tagged nodes into the submodules regional Inductor compiles, before it
     does, in the way that keeps the communication overlapped and the compile cheap:
 
-    - Pieces join only along their own edges, each connected piece of codec arithmetic (one
-      layer's encode, or its decode with the next phase's encode) a region. Regional Inductor's
+    - Pieces join only along their own edges (a node with its users), so a region never spans
+      two layers' arithmetic that no edge joins (one layer's encode, or its decode with the next
+      phase's encode, is one region or a few). Regional Inductor's
       own cut fuses every piece of one region name it can without a cycle, e.g. layer k's
       decode (after k's wait) with layer j's encode (before j's collective): the fused call
       runs after k's wait, so j's bytes could not leave before k's arrived and the
