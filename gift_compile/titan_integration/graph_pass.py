@@ -132,13 +132,13 @@ def cut_codec_regions(gm: fx.GraphModule) -> fx.GraphModule:
     does, in the way that keeps the communication overlapped and the compile cheap:
 
     - Pieces join only along their own edges (a node with its users), so a region never spans
-      two layers' arithmetic that no edge joins (one layer's encode, or its decode with the next
-      phase's encode, is one region or a few). Regional Inductor's
-      own cut fuses every piece of one region name it can without a cycle, e.g. layer k's
-      decode (after k's wait) with layer j's encode (before j's collective): the fused call
-      runs after k's wait, so j's bytes could not leave before k's arrived and the
-      communication would run serially after all. One partitioner pass for all pieces: one per
-      region name cost O(regions x nodes), ~24 s on the debug model.
+      two layers' arithmetic that no edge joins (one layer's encode, or its decode with the
+      next phase's encode, is one region or a few). Regional Inductor's own cut fuses every
+      piece of one region name it can without a cycle, e.g. layer k's decode (after k's wait)
+      with layer j's encode (before j's collective): the fused call runs after k's wait, so
+      j's bytes could not leave before k's arrived and the communication would run serially
+      after all. One partitioner pass for all pieces: one per region name cost
+      O(regions x nodes), ~24 s on the debug model.
     - Each region's nodes are renamed ``n0, n1, ...`` in graph order, without stack traces.
       Inductor's caches key a graph by its code, names included: under the joint graph's
       names every region was a compile of its own (84 on the debug model), under canonical
@@ -160,11 +160,11 @@ def cut_codec_regions(gm: fx.GraphModule) -> fx.GraphModule:
                                             skip_horizontal_fusion=True).propose_partitions()
     if not partitions:
         return gm
-    gm = fuse_by_partitions(gm, [p.nodes for p in partitions], prefix=f"{REGION_PREFIX}_{CODEC_REGION}_",
-                            always_return_tuple=True)
+    prefix = f"{REGION_PREFIX}_{CODEC_REGION}_"
+    gm = fuse_by_partitions(gm, [p.nodes for p in partitions], prefix=prefix, always_return_tuple=True)
     graphs = set()  # what a region's compile depends on: its code and its inputs' layouts
     for node in gm.graph.nodes:
-        if node.op == "call_module" and node.target.startswith(f"{REGION_PREFIX}_{CODEC_REGION}_"):
+        if node.op == "call_module" and node.target.startswith(prefix):
             region = gm.get_submodule(node.target)
             for i, inner in enumerate(region.graph.nodes):  # two rounds: a new name may be an old one
                 inner._rename(f"gift_tmp_{i}")
@@ -188,7 +188,8 @@ def keep_codec_marks(regional_pass):
     compiled calls that replace GIFT's tagged arithmetic carry no meta of their own, so a new
     node is marked as codec when it reads from or feeds a codec node or a gradient wait
     (repeated until nothing changes: a region may feed another). A region of someone else's
-    next to GIFT's would be counted as codec too; graph_trainer's own regions (FlexAttention) touch no gradient collective."""
+    next to GIFT's would be counted as codec too; graph_trainer's own regions (FlexAttention)
+    touch no gradient collective."""
 
     def run(gm: fx.GraphModule, *args, **kwargs) -> fx.GraphModule:
         before = {n.name for n in gm.graph.nodes}  # by name: the pass may rebuild the graph from copies
