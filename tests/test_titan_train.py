@@ -3,8 +3,9 @@
 One module-scoped 10-step run from a TOML job file with ``[gift] enabled = true`` and
 ``layers = "auto"`` (2 profiling steps in Euclidean FP8, then the chosen layers whitened;
 a checkpoint every 5 steps) on the bundled corpus and tokenizer. Then three resumes from its
-step-5 checkpoint, side by side: with the chosen layers in the same dump folder (steps 6-10
-again), with other layers, and with ``"auto"`` again; the last two must be refused.
+step-5 checkpoint: with the chosen layers in the same dump folder (steps 6-10 again), with
+other layers, and with ``"auto"`` again; ``gift-titan`` must refuse the last two before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def test_checkpoint_restores_gift_state(runs):
 
 def test_resuming_with_other_layers_says_which(runs):
     other = runs.other_layers
-    assert other.returncode != 0
+    assert other.returncode == 2 and other.log.startswith("gift-titan: error: ")  # refused, nothing started
     assert f"the checkpoint holds state for the whitened layers {runs.chosen}" in other.log
     assert "but this run whitens ['layers.0.attention.wo'" in other.log
 
@@ -157,6 +158,6 @@ def test_resuming_an_auto_run_needs_its_chosen_layers(runs):
     # Step 5 is past profiling: "auto" again would choose nothing and run without the saved
     # state. It must fail and say how to resume (the explicit resume above is the way).
     again = runs.auto_again
-    assert again.returncode != 0
+    assert again.returncode == 2 and again.log.startswith("gift-titan: error: ")
     assert f"the checkpoint holds state for the whitened layers {runs.chosen}, but this run whitens []" in again.log
     assert "layers_file" in again.log

@@ -21,9 +21,9 @@ value stops the launch with a message listing the valid keys. Flags on the comma
 (``--training.steps 5``, ``--gift.enabled``, ``--gift.no-enabled``, ``--gift.layers=w2,wo``)
 override the file. The result becomes torchtitan's own ``--section.field`` flags, parsed once
 more by torchtitan's ``ConfigManager`` here; the model is built on the meta device to check
-the ``[gift] layers`` patterns (``--dry-run`` stops after that and prints the torchrun
-command), then ``torchrun`` starts ``nproc`` ranks of
-``gift_compile.titan_integration.entry`` on this node. One node: ``torchrun --standalone``
+the ``[gift] layers`` patterns and, on a resume, that they are the layers the checkpoint holds
+GIFT state for (``--dry-run`` stops after that and prints the torchrun command), then
+``torchrun`` starts ``nproc`` ranks of ``gift_compile.titan_integration.entry`` on this node. One node: ``torchrun --standalone``
 (a free port). Several: every node runs the same job file with its own ``--node-rank``
 (``[launch] nnodes``, ``master_addr``, ``master_port`` shared).
 
@@ -232,7 +232,7 @@ def titan_args(document: dict, settings: dict) -> list[str]:
 def check_model(config) -> None:
     """Check the ``[gift]`` keys against the trainer's route, and build the job's model on the meta
     device (no memory, no ranks) to check the layer patterns against its Linear layers, so a
-    typo stops the launch, not every rank later."""
+    typo stops the launch, not every rank later; then :func:`check_resume`."""
     gift = getattr(config, "gift", None)
     if gift is None or not gift.enabled:
         return
@@ -243,20 +243,46 @@ def check_model(config) -> None:
         layers = to_gift_config(gift).layers  # the rank's own reading of the flags ("" is no layer)
     except ValueError as error:
         raise JobError(str(error)) from None
-    if layers == "auto":
-        return
+    # "auto" whitens nothing until its profile has run (the session's rule)
+    check_resume(config, [] if layers == "auto" else _whitened_layers(config, layers))
+
+
+def _whitened_layers(config, layers: tuple[str, ...]) -> list[str]:
     from torch import nn
 
-    from gift_compile.selection import check_patterns
+    from gift_compile.selection import select_layers
 
     model_config = config.model_spec.model
     model_config.update_from_config(config=config)
     with torch.device("meta"):
         model = model_config.build()
     try:
-        check_patterns([name for name, module in model.named_modules() if isinstance(module, nn.Linear)], layers)
+        return select_layers([name for name, module in model.named_modules() if isinstance(module, nn.Linear)], layers)
     except ValueError as error:
         raise JobError(f"[gift] layers: {error}") from None
+
+
+def check_resume(config, whitened: list[str]) -> None:
+    """A resume must whiten the layers its checkpoint holds GIFT state for. Every rank would
+    find a mismatch only after start-up, when DCP loads (``checkpoint.explain_failed_loads``);
+    where the checkpoint torchtitan will load is on this machine, refuse the job here instead."""
+    from gift_compile.titan_integration.checkpoint import mismatch_message, saved_layers
+
+    checkpoint = checkpoint_to_resume(config)
+    if checkpoint is not None and (saved := saved_layers(str(checkpoint))) != sorted(whitened):
+        raise JobError(mismatch_message(saved, sorted(whitened)))
+
+
+def checkpoint_to_resume(config) -> Path | None:
+    """The DCP checkpoint with GIFT state that torchtitan's checkpointer will load, by its rule:
+    ``--checkpoint.load_step``, else the latest ``step-N`` holding a ``.metadata`` file in the
+    checkpoint folder (step 0 is model-only, an ``initial_load_path`` too, by default)."""
+    if not config.checkpoint.enable:
+        return None
+    folder = Path(config.dump_folder) / config.checkpoint.folder
+    steps = [int(p.name[5:]) for p in folder.glob("step-*") if p.name[5:].isdigit() and (p / ".metadata").is_file()]
+    step = config.checkpoint.load_step if config.checkpoint.load_step != -1 else max(steps, default=0)
+    return folder / f"step-{step}" if step > 0 and step in steps else None
 
 
 def parse_with_torchtitan(args: list[str]):
