@@ -23,9 +23,9 @@ override the file. The result becomes torchtitan's own ``--section.field`` flags
 more by torchtitan's ``ConfigManager`` here; the model is built on the meta device to check
 the ``[gift] layers`` patterns and, on a resume, that they are the layers the checkpoint holds
 GIFT state for (``--dry-run`` stops after that and prints the torchrun command), then
-``torchrun`` starts ``nproc`` ranks of ``gift_compile.titan_integration.entry`` on this node. One node: ``torchrun --standalone``
-(a free port). Several: every node runs the same job file with its own ``--node-rank``
-(``[launch] nnodes``, ``master_addr``, ``master_port`` shared).
+``torchrun`` starts ``nproc`` ranks of ``gift_compile.titan_integration.entry`` on this node.
+One node: ``torchrun --standalone`` (a free port). Several: every node runs the same job file
+with its own ``--node-rank`` (``[launch] nnodes``, ``master_addr``, ``master_port`` shared).
 
 Only this project's config registry may be named in ``[launch]`` (``module``), and only one of
 its registered configs (``config``): a job file never imports or calls other code.
