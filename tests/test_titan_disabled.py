@@ -1,5 +1,5 @@
 """``[gift] enabled = false`` leaves torchtitan's graph unchanged; one rank runs unchanged;
-a dead or hung rank ends the job.
+a finished rank exits without the interpreter's teardown; a dead or hung rank ends the job.
 
 Short CPU runs of the debug model on graph_trainer with the bundled corpus: with
 ``enabled = false`` the passes graph_trainer applies, and what each one changes in the graph
@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,32 @@ def pass_reports(log: str) -> list[str]:
     return re.findall(r"\[(\w+)\] (graph unchanged|graph diff:\n(?:\s{2,}.*\n)+)", log)
 
 
+# Loaded by every process these jobs start (PYTHONPATH): each rank (torchrun sets RANK) leaves a
+# mark when it starts and another if its interpreter is finalized (atexit).
+EXIT_PROBE = """import atexit, os, pathlib
+if "RANK" in os.environ:
+    mark = pathlib.Path(os.environ["GIFT_TEST_EXIT_MARKS"]) / f"rank{os.environ['RANK']}-{os.getpid()}"
+    mark.with_suffix(".started").touch()
+    atexit.register(mark.with_suffix(".finalized").touch)
+"""
+
+
+@dataclass
+class ShortRuns:
+    jobs: dict[str, JobResult]
+    exit_marks: Path
+
+
 @pytest.fixture(scope="module")
-def short_runs(tmp_path_factory) -> dict[str, JobResult]:
+def short_runs(tmp_path_factory) -> ShortRuns:
     """Four short graph_trainer jobs side by side: GIFT off with the gift pipeline and with the
-    stock one (2 ranks, 1 step, each pass's graph changes logged), and GIFT on and off on one rank."""
+    stock one (2 ranks, 1 step, each pass's graph changes logged), and GIFT on and off on one
+    rank; each rank marks its start and its interpreter's teardown (``EXIT_PROBE``)."""
     tmp = tmp_path_factory.mktemp("short")
+    probe, marks = tmp / "probe", tmp / "exit_marks"
+    probe.mkdir()
+    marks.mkdir()
+    (probe / "sitecustomize.py").write_text(EXIT_PROBE)
     passes = ["--training.steps", "1", "--metrics.log_freq", "1", "--compile.debug_graph_passes", "--gift.no-enabled"]
     one_rank = ["--nproc", "1", "--training.steps", "2", "--metrics.log_freq", "1", "--debug.seed", "0"]
     jobs = {
@@ -47,12 +69,15 @@ def short_runs(tmp_path_factory) -> dict[str, JobResult]:
         "one_rank_gift": one_rank,
         "one_rank_plain": [*one_rank, "--gift.no-enabled"],
     }
-    results = concurrently(*[lambda name=name, flags=flags: run_job(JOB, tmp / name, *flags).check() for name, flags in jobs.items()])
-    return dict(zip(jobs, results))
+    with pytest.MonkeyPatch.context() as patch:  # the jobs' environment is this process's
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")])))
+        patch.setenv("GIFT_TEST_EXIT_MARKS", str(marks))
+        results = concurrently(*[lambda name=name, flags=flags: run_job(JOB, tmp / name, *flags).check() for name, flags in jobs.items()])
+    return ShortRuns(dict(zip(jobs, results)), marks)
 
 
 def test_disabled_gift_leaves_the_graph_unchanged(short_runs):
-    off, stock = short_runs["off"], short_runs["stock"]
+    off, stock = short_runs.jobs["off"], short_runs.jobs["stock"]
     assert off.applied_passes() == stock.applied_passes() and off.applied_passes()
     assert "gift_joint_graph_pass" not in off.applied_passes()
     reports = pass_reports(off.log)  # both ranks report: their lines interleave differently per run
@@ -69,20 +94,29 @@ def test_disabled_runs_report_their_collectives_per_step(short_runs):
     # collectives its final graph issues per step. The truth here is graph_trainer's own
     # per-pass op counts (debug_graph_passes): each collective's count after the last pass that
     # changed it, and the waits, one per collective.
-    off = short_runs["off"]
+    off = short_runs.jobs["off"]
     final: dict[str, int] = {}
     for op, after in COLLECTIVE_COUNT.findall(off.log):  # in pass order; both ranks log the same counts
         final[op] = int(after)
     waits = final.pop("wait_tensor")
     assert off.last("gift/collectives_per_step") == sum(final.values()) == waits > 0, (final, waits)
-    assert short_runs["stock"].last("gift/collectives_per_step") == waits
+    assert short_runs.jobs["stock"].last("gift/collectives_per_step") == waits
 
 
 def test_one_rank_runs_and_equals_the_plain_run(short_runs):
     # One rank has nothing to communicate: GIFT says so once and changes nothing.
-    gift, plain = short_runs["one_rank_gift"], short_runs["one_rank_plain"]
+    gift, plain = short_runs.jobs["one_rank_gift"], short_runs.jobs["one_rank_plain"]
     assert gift.losses() == plain.losses() and len(gift.losses()) == 2
     assert gift.log.count("one rank has nothing to communicate") == 1
+
+
+def test_finished_ranks_exit_without_interpreter_teardown(short_runs):
+    # The teardown after torchtitan's own shutdown now and then aborted a finished rank
+    # (entry.exit_now): no rank's atexit handlers run, and all six ranks started with the probe.
+    started = sorted(p.stem for p in short_runs.exit_marks.glob("*.started"))
+    assert [name.partition("-")[0] for name in started] == ["rank0"] * 4 + ["rank1"] * 2, started
+    assert not list(short_runs.exit_marks.glob("*.finalized"))
+    assert all(job.returncode == 0 for job in short_runs.jobs.values())
 
 
 def children(pid: int) -> list[int]:
