@@ -289,7 +289,7 @@ class Result:
     collectives: int | None = None
     """Collectives the final graph issues per step (GIFT off: the stock graph's; None: not recorded)."""
     retried: int = 0
-    """Runs of this cell that failed before the one measured (a rank's crash; logs kept, see ``CRASH_LOGS``)."""
+    """Runs of this cell whose job failed before the one measured (both nodes' logs kept in ``CRASH_LOGS``)."""
 
 
 def launcher(job: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
@@ -325,7 +325,7 @@ def timing(recs: list[dict], warmup: int) -> tuple[float, float, list[tuple[floa
 
 CRASH_LOGS = Path(tempfile.gettempdir()) / "shaped_link_crashes"
 ATTEMPTS = 2
-"""Runs of a cell before the benchmark gives up: a rank crashes rarely (a ``malloc()`` abort,
+"""Runs of a cell before the benchmark gives up: a rank crashes rarely (a ``malloc()`` abort mid-run,
 not understood: the README's suite-time paragraph), and one crash should not end a 30-cell run."""
 
 
@@ -443,7 +443,7 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int, round_
             "this kernel has no netem), the others on the veth.", ""]
     retried = [f"{r.mode} {rate_label(r.rate)} {r.variant} ({r.retried} failed run{'s' * (r.retried > 1)})" for r in results if r.retried]
     if retried:
-        lines[-1:-1] = ["Measured after a failed run (a rank crashed; that run's logs were kept): " + "; ".join(retried) + ".", ""]
+        lines[-1:-1] = ["Measured after a failed run of the same cell (both nodes' logs kept in " + str(CRASH_LOGS) + "): " + "; ".join(retried) + ".", ""]
     for mode in sorted({r.mode for r in results}):
         if any(r.mode == mode and r.variant == "fp32" for r in results):
             fp8, gift = crossover(results, mode, "fp8"), crossover(results, mode, "gift")
