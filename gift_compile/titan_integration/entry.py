@@ -32,7 +32,8 @@ def main() -> None:
 
 def exit_now() -> NoReturn:
     """End a rank whose job is done (torchtitan has closed the trainer, its checkpointer and
-    metric writers, and destroyed the process group) once the logs are flushed, skipping the
+    metric writers, and destroyed the process group; its last checkpoint is saved synchronously,
+    after any asynchronous save has finished) once the logs are flushed, skipping the
     interpreter's teardown. That teardown runs C++ destructors after the process group is gone,
     and now and then one aborts ("terminate called without an active exception", seen in a
     one-rank-per-node job with GIFT off): the rank's exit code then fails a finished job, and the
