@@ -30,23 +30,24 @@ def main() -> None:
     exit_now()
 
 
-def exit_now() -> NoReturn:
-    """End a rank whose job is done (torchtitan has closed the trainer, its checkpointer and
-    metric writers, and destroyed the process group; its last checkpoint is saved synchronously,
-    after any asynchronous save has finished) once the logs are flushed, skipping the
-    interpreter's teardown. That teardown runs C++ destructors after the process group is gone,
-    and now and then one aborts ("terminate called without an active exception", seen in a
-    one-rank-per-node job with GIFT off): the rank's exit code then fails a finished job, and the
-    other nodes' torchrun waits 300 s at its exit barrier. It also costs ~2 s per rank on CPU.
-    Inductor's compile workers (a pool, on GPU machines) are stopped as that teardown would."""
-    from torch._inductor.async_compile import shutdown_compile_workers
-
-    shutdown_compile_workers()
+def exit_now(code: int = 0) -> NoReturn:
+    """End this process once its logs are flushed, skipping the interpreter's teardown: a rank
+    whose job is done (torchtitan has closed the trainer, its checkpointer and metric writers,
+    and destroyed the process group; its last checkpoint is saved synchronously, after any
+    asynchronous save has finished), and ``gift-titan`` once torchrun has returned. That
+    teardown runs C++ destructors after the process group is gone, and now and then one aborts
+    ("terminate called without an active exception", seen in a one-rank-per-node job with GIFT
+    off): the rank's exit code then fails a finished job, and the other nodes' torchrun waits
+    300 s at its exit barrier. It also costs ~2 s per process with torch imported (on CPU).
+    Inductor's compile workers (a pool, on GPU machines; none unless Inductor was imported) are
+    stopped as that teardown would."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.shutdown_compile_workers()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
-
+    os._exit(code)
 
 if __name__ == "__main__":
     main()

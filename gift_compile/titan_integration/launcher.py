@@ -385,12 +385,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """The ``gift-titan`` command: :func:`main`, then exit without finalizing the interpreter:
-    with torch and torchtitan imported that takes ~2 s (measured on CPU), and the job is over."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """The ``gift-titan`` command: :func:`main`, then exit without finalizing the interpreter
+    (``entry.exit_now``): the job is over."""
+    from gift_compile.titan_integration.entry import exit_now
+
+    exit_now(main())
 
 
 if __name__ == "__main__":
