@@ -1,0 +1,210 @@
+"""Where GIFT's extra codec time goes in the main job: the host time of every ``gift::`` op.
+
+    python benchmarks/codec_profile.py                  # replicate mode, FP8 and GIFT, 40 steps
+    python benchmarks/codec_profile.py --modes fsdp --variants fp8 gift gift_fp4
+
+Runs the main job (``examples/llama3_debug_cpu.toml``: graph_trainer, 2 ranks on this machine's
+loopback) once per variant, side by side, with a host timer around the body of every ``gift::``
+custom op. The timers come from a ``sitecustomize`` put on the ranks' ``PYTHONPATH``, which wraps
+each function registered under ``gift::`` before it is registered: the library runs unchanged.
+For each op it prints calls per step, the median time per call (wall, and the calling thread's
+CPU time: equal when the rank is not preempted) and milliseconds per step, beside GIFT's time
+meter (``gift/codec_s``: every segment of the step that GIFT added, the compiled codec included).
+
+Then the two costliest ops alone, on the job's shapes (``d_in`` 256, rank 32, 512 tokens per
+rank), warm (called back to back) and each time right after a GEMM the size of one in the
+model's backward: in the backward every such op follows the layer's weight-gradient GEMM. On
+this machine a core runs everything more slowly for a while after a long GEMM (wall time and
+CPU time alike), so an op's cost inside training is not its cost in a loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from shaped_link import JOB, MODES, RESULTS, VARIANTS, launcher, meter, records, timing
+
+WARMUP_STEPS = 10
+"""Steps left out of every figure: the first compiles, and the meter's first readings start its windows."""
+
+OP_TIMER = '''\
+"""Written by benchmarks/codec_profile.py: a host timer around every gift:: op of this process."""
+import os
+
+if os.environ.get("GIFT_OP_TIMES"):
+    import functools
+    import json
+    import time
+
+    import torch
+
+    import atexit
+
+    _register = torch.library.custom_op
+    _records = []  # (step, op, wall s, thread CPU s)
+    _step = [0]
+
+    def _write():
+        path = os.path.join(os.environ["GIFT_OP_TIMES"], "rank%s.json" % os.environ.get("RANK", "0"))
+        with open(path, "w") as out:
+            json.dump(_records, out)
+
+    atexit.register(_write)  # a plain process; a torchtitan rank ends without atexit (entry.exit_now):
+
+    def _timed(name, fn):
+        @functools.wraps(fn)  # keeps the signature the op's schema is inferred from
+        def run(*args, **kwargs):
+            if name == "gift::agree":  # the first op of every graph: once per step
+                _step[0] += 1
+                if _step[0] == int(os.environ.get("GIFT_OP_TIMES_STEPS", 0)):  # its last step starts: write the rest
+                    _write()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _records.append((_step[0], name, time.perf_counter() - wall, time.thread_time() - cpu))
+        return run
+
+    def _custom_op(name, fn=None, /, **kwargs):
+        def register(f):
+            return _register(name, _timed(name, f) if name.startswith("gift::") else f, **kwargs)
+        return register if fn is None else register(fn)
+
+    torch.library.custom_op = _custom_op
+'''
+
+
+def op_table(records_: list, first_step: int) -> tuple[int, dict[str, dict[str, float]]]:
+    """Per op, from one rank's ``(step, op, wall, cpu)`` records of steps ``>= first_step``:
+    calls per step, median wall and CPU microseconds per call, wall milliseconds per step."""
+    kept = [r for r in records_ if r[0] >= first_step]
+    steps = len({r[0] for r in kept})
+    table = {}
+    for name in sorted({r[1] for r in kept}):
+        walls = [r[2] for r in kept if r[1] == name]
+        cpus = [r[3] for r in kept if r[1] == name]
+        table[name] = {"calls_per_step": len(walls) / steps, "median_us": statistics.median(walls) * 1e6,
+                       "median_cpu_us": statistics.median(cpus) * 1e6, "ms_per_step": sum(walls) / steps * 1e3}
+    return steps, table
+
+
+def profile(mode: str, variant: str, steps: int, workdir: Path) -> dict:
+    """One job of ``variant`` with the op timers; rank 0's table and the time meter's means."""
+    probe, times, dump = workdir / "probe", workdir / f"{mode}-{variant}-times", workdir / f"{mode}-{variant}"
+    probe.mkdir(exist_ok=True)
+    (probe / "sitecustomize.py").write_text(OP_TIMER)
+    times.mkdir()
+    env = dict(os.environ, GIFT_OP_TIMES=str(times), GIFT_OP_TIMES_STEPS=str(steps), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")])))
+    job = subprocess.run(launcher(JOB, dump, steps, ["--nproc", "2", *MODES[mode], *VARIANTS[variant]]), env=env,
+                         capture_output=True, text=True)
+    if job.returncode:
+        raise RuntimeError(f"{mode}/{variant} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
+    measured, ops = op_table(json.loads((times / "rank0.json").read_text()), WARMUP_STEPS)
+    codec_s, wait_s, _ = meter(records(dump), warmup=WARMUP_STEPS)
+    step_s = timing(records(dump), warmup=WARMUP_STEPS)[0]
+    return {"mode": mode, "variant": variant, "steps": measured, "step_s": step_s, "codec_s": codec_s, "wait_s": wait_s, "ops": ops}
+
+
+def alone(repeats: int = 200) -> list[tuple[str, float, dict[str, float]]]:
+    """The factorization and the input sketch on the job's shapes: warm, and right after a GEMM."""
+    import torch
+
+    from gift_compile.geometry import initial_basis, input_sketch, whitening_from_sketch
+
+    torch.set_num_threads(1)
+    d, rank, tokens = 256, 32, 512
+    x = torch.randn(tokens, d) @ torch.randn(d, d)
+    basis, scale, damping = initial_basis(d, rank), torch.ones(()), torch.tensor(1.0)
+    sketch = input_sketch(x, basis, scale, None)
+    ops = {"gift::input_sketch": lambda: input_sketch(x, basis, scale, None),
+           "gift::whitening_from_sketch": lambda: whitening_from_sketch(sketch, basis, scale, damping)}
+    rows = []
+    # weight-gradient GEMMs of the backward (dY^T X): the debug model's wqkv, and one 2x longer
+    for m, k, n in ((768, tokens, d), (2048, tokens, d)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        start = time.perf_counter()
+        a @ b
+        gemm_ms = (time.perf_counter() - start) * 1e3
+        timed = {}
+        for name, op in ops.items():
+            warm, after = [], []
+            for series, before in ((warm, None), (after, lambda: a @ b)):
+                for _ in range(repeats):
+                    if before is not None:
+                        before()
+                    start = time.perf_counter()
+                    op()
+                    series.append(time.perf_counter() - start)
+            timed[name] = {"warm_us": statistics.median(warm) * 1e6, "after_gemm_us": statistics.median(after) * 1e6}
+        rows.append((f"{m}x{k} @ {k}x{n}", gemm_ms, timed))
+    return rows
+
+
+def report(runs: list[dict], alone_rows: list) -> str:
+    lines = [f"# GIFT's codec, op by op (`python benchmarks/codec_profile.py`)", "",
+             f"The main job, 2 ranks on this machine's loopback, each variant one job of {runs[0]['steps'] + WARMUP_STEPS} steps "
+             f"(figures over its last {runs[0]['steps']}, rank 0). `median us`: one call's host time (wall; `cpu`: the "
+             "calling thread's CPU time); `ms/step`: all calls of a step. `codec s` and `wait s` are GIFT's time meter "
+             "(`gift/codec_s`, `gift/comm_wait_s`), `step s` the mean step.", ""]
+    for run in runs:
+        ops = run["ops"]
+        total = sum(o["ms_per_step"] for o in ops.values())
+        lines += [f"## {run['mode']}, {run['variant']}: step {run['step_s']:.3f} s, codec {run['codec_s']:.3f} s, "
+                  f"wait {run['wait_s']:.3f} s; gift:: ops {total:.1f} ms/step", "",
+                  "| op | calls/step | median us | cpu us | ms/step |", "|---|---|---|---|---|"]
+        for name, o in sorted(ops.items(), key=lambda kv: -kv[1]["ms_per_step"]):
+            lines.append(f"| `{name}` | {o['calls_per_step']:.1f} | {o['median_us']:.0f} | {o['median_cpu_us']:.0f} | {o['ms_per_step']:.2f} |")
+        lines.append("")
+    by = {(r["mode"], r["variant"]): r for r in runs}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        base = by.get((mode, "fp8"))
+        for run in (r for r in runs if r["mode"] == mode and r["variant"] != "fp8"):
+            if base is None:
+                continue
+            ops_ms = sum(o["ms_per_step"] for o in run["ops"].values()) - sum(o["ms_per_step"] for o in base["ops"].values())
+            extra = (run["codec_s"] - base["codec_s"]) * 1e3
+            lines.append(f"* {mode}: {run['variant']}'s codec takes {extra:+.1f} ms/step over FP8's (time meter); its gift:: ops "
+                         f"{ops_ms:+.1f} ms of it, the rest is the compiled codec and the collectives' issue. "
+                         f"Step {run['step_s'] / base['step_s'] - 1:+.1%} over FP8's.")
+    lines += ["", "## The two costliest ops alone (one thread; median of 200 calls, microseconds)", "",
+              "| op | warm | after a GEMM of 768x512 @ 512x256 | after a GEMM of 2048x512 @ 512x256 |", "|---|---|---|---|"]
+    for name in alone_rows[0][2]:
+        cells = [f"{alone_rows[0][2][name]['warm_us']:.0f}"] + [f"{row[2][name]['after_gemm_us']:.0f}" for row in alone_rows]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    lines += ["", "(The GEMMs took " + ", ".join(f"{row[1]:.1f} ms" for row in alone_rows) + ".)"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", nargs="+", choices=["replicate", "fsdp"], default=["replicate"])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["fp8", "gift"])
+    parser.add_argument("--steps", type=int, default=40, help=f"steps per job (the first {WARMUP_STEPS} are not counted)")
+    parser.add_argument("--results", default="codec_profile", help="stem of the result file in benchmarks/results")
+    args = parser.parse_args()
+    if args.steps <= WARMUP_STEPS + 1:
+        parser.error(f"--steps must be more than {WARMUP_STEPS + 1}")
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            for variant in args.variants:
+                print(f"{mode}/{variant}: {args.steps} steps ...", flush=True)
+                runs.append(profile(mode, variant, args.steps, Path(tmp)))
+    print("ops alone ...", flush=True)
+    text = report(runs, alone())
+    print(text)
+    (RESULTS / f"{args.results}.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
