@@ -53,11 +53,13 @@ if os.environ.get("GIFT_OP_TIMES"):
     _step = [0]
 
     def _write():
+        if not _records:  # a process that ran no gift:: op (the launcher, torchrun's agent) writes nothing
+            return
         path = os.path.join(os.environ["GIFT_OP_TIMES"], "rank%s.json" % os.environ.get("RANK", "0"))
         with open(path, "w") as out:
             json.dump(_records, out)
 
-    atexit.register(_write)  # a plain process; a torchtitan rank ends without atexit (entry.exit_now):
+    atexit.register(_write)  # a torchtitan rank ends without atexit (entry.exit_now): it writes as its last step starts
 
     def _timed(name, fn):
         @functools.wraps(fn)  # keeps the signature the op's schema is inferred from
@@ -109,6 +111,8 @@ def profile(mode: str, variant: str, steps: int, workdir: Path) -> dict:
     if job.returncode:
         raise RuntimeError(f"{mode}/{variant} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
     measured, ops = op_table(json.loads((times / "rank0.json").read_text()), WARMUP_STEPS)
+    if not measured:
+        raise RuntimeError(f"{mode}/{variant}: rank 0 timed no gift:: op after step {WARMUP_STEPS}")
     codec_s, wait_s, _ = meter(records(dump), warmup=WARMUP_STEPS)
     step_s = timing(records(dump), warmup=WARMUP_STEPS)[0]
     return {"mode": mode, "variant": variant, "steps": measured, "step_s": step_s, "codec_s": codec_s, "wait_s": wait_s, "ops": ops}
