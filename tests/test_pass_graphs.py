@@ -251,6 +251,7 @@ w1                     wait_tensor(all_to_all_single)
 w1                     all_gather_into_tensor(GROUP) uint8[1, 1028]
 wo                     mm -> grad float32[32, 32]
 wo                     gift::whitening_from_sketch()
+*                      gift::whitening_from_sketch()
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
@@ -258,7 +259,6 @@ wo                     all_to_all_single(GROUP) uint8[1032]
 w3                     wait_tensor(all_gather_into_tensor)
 ffn_norm.weight        wait_tensor(all_reduce)
 wv                     mm -> grad float32[32, 32]
-*                      gift::whitening_from_sketch()
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -300,6 +300,8 @@ wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_byte
         # all_gather, sent once the block's last gradient (fc1's) is encoded; everything that
         # reads their results (the decodes, fc2's end_step) comes after. The biases' fp32
         # all_reduces, which the pass leaves as they are, go in one per block too (16 + 32 floats).
+        # Both blocks' factorizations run back to back, before the first of them is needed
+        # (gift_collectives.gather_factorizations), not each after its layer's GEMM.
         torch.manual_seed(0)
         config = GiftConfig(layers=("fc2",), low_rank=4)
         selected = {"layers.0.fc2", "layers.1.fc2"}
@@ -317,6 +319,8 @@ layers.1.fc2  all_reduce(sum, GROUP) float32[130]
 layers.1.fc2  mm -> grad float32[16, 32]
 layers.1.fc2  wait_tensor(all_reduce)
 layers.1.fc2  gift::whitening_from_sketch()
+layers.0.fc2  wait_tensor(all_reduce)
+layers.0.fc2  gift::whitening_from_sketch()
 layers.1.fc2  gift::meter(NS, layers.1.fc2, GROUP, collective=all_reduce, op=avg)
 layers.1.fc2  gift::load_residual(NS, layers.1.fc2, d_out=16, d_in=32)
 layers.1.fc2  gift::load_gather_residual(NS, layers.1.fc2, rows=8, cols=32)
@@ -327,8 +331,6 @@ layers.1.*    all_gather_into_tensor(GROUP) uint8[520] -> wait
 layers.1.fc2  gift::end_step(NS, layers.1.fc2, GROUP, bytes_sent=520, stats_bytes=520)
 layers.1.fc1  gift::record_euclidean(NS, layers.1.fc1, path=fp8, bytes_sent=520)
 layers.0.fc2  mm -> grad float32[16, 32]
-layers.0.fc2  wait_tensor(all_reduce)
-layers.0.fc2  gift::whitening_from_sketch()
 layers.0.fc2  gift::meter(NS, layers.0.fc2, GROUP, collective=all_reduce, op=avg)
 layers.0.fc2  gift::load_residual(NS, layers.0.fc2, d_out=16, d_in=32)
 layers.0.fc2  gift::load_gather_residual(NS, layers.0.fc2, rows=8, cols=32)
@@ -384,6 +386,7 @@ w1                     gift::end_step(NS, w1, GROUP, next_basis=None, next_scale
 ffn_norm.weight        all_reduce(avg, GROUP) float32[32] -> wait  (original)
 wo                     mm -> grad float32[32, 32]
 wo                     gift::whitening_from_sketch()
+*                      gift::whitening_from_sketch()
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
@@ -391,7 +394,6 @@ wo                     all_to_all_single(GROUP) uint8[1032] -> wait
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wv                     mm -> grad float32[32, 32]
-*                      gift::whitening_from_sketch()
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -446,6 +448,7 @@ ln_2.weight       all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       mm -> grad float32[32, 32]
 attn.c_proj.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       gift::whitening_from_sketch()
+attn.c_attn       gift::whitening_from_sketch()
 attn.c_proj       gift::meter(NS, attn.c_proj, GROUP, collective=all_reduce, op=avg)
 attn.c_proj       gift::load_residual(NS, attn.c_proj, d_out=32, d_in=32)
 attn.c_proj       gift::load_gather_residual(NS, attn.c_proj, rows=16, cols=32)
@@ -454,7 +457,6 @@ attn.c_proj       all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 attn.c_proj       gift::end_step(NS, attn.c_proj, GROUP, bytes_sent=1032, stats_bytes=520)
 attn.c_attn       mm -> grad float32[96, 32]
 attn.c_attn.bias  all_reduce(avg, GROUP) float32[96] -> wait  (original)
-attn.c_attn       gift::whitening_from_sketch()
 attn.c_attn       gift::meter(NS, attn.c_attn, GROUP, collective=all_reduce, op=avg)
 attn.c_attn       gift::load_residual(NS, attn.c_attn, d_out=96, d_in=32)
 attn.c_attn       gift::load_gather_residual(NS, attn.c_attn, rows=48, cols=32)

@@ -215,16 +215,18 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
         agreed = splice_traced(graph, lambda x: agree_first(namespace, groups, description, x), [like], after=like)
         before = set(graph.nodes)
         shared: dict[tuple, list[fx.Node]] = {}
+        factorizations: list[list[fx.Node]] = []
         for rewrite in rewrites:
             present = set(graph.nodes)
             if rewrite.plan.stateful:
-                rewrite_stateful(graph, rewrite, config, namespace, agreed, shared)
+                rewrite_stateful(graph, rewrite, config, namespace, agreed, shared, factorizations)
             else:
                 rewrite_euclidean(graph, rewrite, namespace, agreed)
             for node in graph.nodes:
                 if node not in present and node.target in (ALL_TO_ALL, ALL_GATHER):
                     node.meta[BUCKET] = bucket_of(rewrite.found.fqn)
         batch_statistics(graph)
+        gather_factorizations(graph, factorizations)
         if config.bucket:
             bucket_left_alone(graph, before)
             bucket_gradient_collectives(graph)
@@ -233,6 +235,32 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
         for node in added:
             node.meta[CODEC] = True  # for the time meter (timing.py)
     graph.lint()
+
+
+def gather_factorizations(graph: fx.Graph, factorizations: list[list[fx.Node]]) -> None:
+    """Run the step's factorizations back to back, before the first of them is needed.
+
+    Each one sits where its layer's reduction needs it, which in a backward is right after the
+    layer's weight-gradient GEMM; on CPU the first small ops after a long GEMM run 2-3x slower
+    than the same ops after other small ops (``benchmarks/codec_profile.py``: 0.8-0.9 ms a
+    factorization in the job, 0.3 ms alone), and a factorization is ~40 of them. Their inputs
+    (the summed sketches, issued in the forward) exist well before the backward, so each moves
+    to just before the earliest consumer of any of them, in its own order; one whose inputs are
+    not all there yet (a sketch recomputed in the backward) stays where it is. The same ops on
+    the same values: only when they run changes."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    groups = [[n for n in group if n in order] for group in factorizations]  # batch_statistics replaced the waits
+    groups = [sorted(group, key=order.__getitem__) for group in groups if group]
+    if len(groups) < 2:
+        return
+    consumers = [u for group in groups for n in group for u in n.users if u not in group]
+    target = min(consumers, key=order.__getitem__)
+    for group in sorted(groups, key=lambda g: order[g[0]]):
+        members = set(group)
+        inputs = [a for n in group for a in n.all_input_nodes if a not in members]
+        if all(order[a] < order[target] for a in inputs):
+            for node in group:
+                target.prepend(node)
 
 
 def bucket_left_alone(graph: fx.Graph, original: set[fx.Node]) -> None:
@@ -325,12 +353,15 @@ def _replace(graph: fx.Graph, found: GradientCollective, fn, args: list[fx.Node]
 
 
 def rewrite_stateful(
-    graph: fx.Graph, rewrite: Rewrite, config: GiftConfig, namespace: str, agreed: fx.Node, shared: dict[tuple, list[fx.Node]]
+    graph: fx.Graph, rewrite: Rewrite, config: GiftConfig, namespace: str, agreed: fx.Node, shared: dict[tuple, list[fx.Node]],
+    factorizations: list[list[fx.Node]],
 ) -> None:
     """Replace a Linear weight-gradient collective by the two halves of ``layer_step``: the
     statistics right after the layer's input exists (and after the agreement), the factors and
     the reduction where the collective was. ``shared``: the factors of each input sketched so
-    far (by :func:`input_key`); a layer that reads one of them takes those (``layer_step``)."""
+    far (by :func:`input_key`); a layer that reads one of them takes those (``layer_step``).
+    ``factorizations``: each computation of factors this adds, as its nodes (for
+    :func:`gather_factorizations`)."""
     found = rewrite.found
     d_out, d_in = found.mm.meta["val"].shape
     plan = LayerPlan(found.fqn, d_out, d_in, rewrite.plan, found.collective_type, found.op, found.group_name, config)
@@ -345,7 +376,9 @@ def rewrite_stateful(
                                        after=anchor)
     if statistics[0] is not None:  # this layer sketches its input: the factors, computed once, before its reduction
         statistics[0].meta[STATISTICS] = block_of(found.fqn)  # the sketch's all_reduce: batched per block below
+        present = set(graph.nodes)
         factors = splice_traced(graph, lambda *s: flat_factors(current_factors(plan, *s)), statistics, before=found.wait)
+        factorizations.append([n for n in graph.nodes if n not in present])
         if plan.may_share_statistics:
             shared[key] = factors
 
