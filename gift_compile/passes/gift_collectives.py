@@ -241,13 +241,14 @@ def gather_factorizations(graph: fx.Graph, factorizations: list[list[fx.Node]]) 
     """Run the step's factorizations back to back, before the first of them is needed.
 
     Each one sits where its layer's reduction needs it, which in a backward is right after the
-    layer's weight-gradient GEMM; on CPU the first small ops after a long GEMM run 2-3x slower
-    than the same ops after other small ops (``benchmarks/codec_profile.py``: 0.8-0.9 ms a
-    factorization in the job, 0.3 ms alone), and a factorization is ~40 of them. Their inputs
-    (the summed sketches, issued in the forward) exist well before the backward, so each moves
-    to just before the earliest consumer of any of them, in its own order; one whose inputs are
-    not all there yet (a sketch recomputed in the backward) stays where it is. The same ops on
-    the same values: only when they run changes."""
+    layer's weight-gradient GEMM; on the project's CPU the small ops right after a long GEMM run
+    2-3x slower than after other small ops (``benchmarks/codec_profile.py``: 0.8-0.9 ms a
+    factorization in the main job, 0.35 ms back to back), and a factorization is ~40 of them.
+    Their inputs (the summed sketches, issued in a joint graph's forward or at the start of a
+    backward graph) exist before the first of them is needed, so each moves to just before the
+    earliest consumer of any of them, in its own order; one whose inputs are not all there yet (a
+    sketch recomputed later in the backward) stays where it is. The same ops on the same values:
+    only when they run changes."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     groups = [[n for n in group if n in order] for group in factorizations]  # batch_statistics replaced the waits
     groups = [sorted(group, key=order.__getitem__) for group in groups if group]
