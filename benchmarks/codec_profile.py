@@ -13,9 +13,10 @@ meter (``gift/codec_s``: every segment of the step that GIFT added, the compiled
 
 Then the two costliest ops alone, on the job's shapes (``d_in`` 256, rank 32, 512 tokens per
 rank), warm (called back to back) and each time right after a GEMM the size of one in the
-model's backward: in the backward every such op follows the layer's weight-gradient GEMM. On
-this machine a core runs everything more slowly for a while after a long GEMM (wall time and
-CPU time alike), so an op's cost inside training is not its cost in a loop.
+model's backward, where each layer's ops follow its weight-gradient GEMM. On this machine a core
+runs everything more slowly for a while after a long GEMM (wall time and CPU time alike), so an
+op's cost inside training is not its cost in a loop; that is why the pass runs a step's
+factorizations back to back (``gift_collectives.gather_factorizations``).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def profile(mode: str, variant: str, steps: int, workdir: Path) -> dict:
     env = dict(os.environ, GIFT_OP_TIMES=str(times), GIFT_OP_TIMES_STEPS=str(steps), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")])))
     job = subprocess.run(launcher(JOB, dump, steps, ["--nproc", "2", *MODES[mode], *VARIANTS[variant]]), env=env,
-                         capture_output=True, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if job.returncode:
         raise RuntimeError(f"{mode}/{variant} failed (exit {job.returncode}):\n{job.stdout[-3000:]}")
     measured, ops = op_table(json.loads((times / "rank0.json").read_text()), WARMUP_STEPS)
