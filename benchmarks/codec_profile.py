@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import median_seconds
 from shaped_link import JOB, MODES, RESULTS, VARIANTS, launcher, meter, records, timing
 
 WARMUP_STEPS = 10
@@ -119,8 +120,9 @@ def profile(mode: str, variant: str, steps: int, workdir: Path) -> dict:
     return {"mode": mode, "variant": variant, "steps": measured, "step_s": step_s, "codec_s": codec_s, "wait_s": wait_s, "ops": ops}
 
 
-def alone(repeats: int = 200) -> list[tuple[str, float, dict[str, float]]]:
-    """The factorization and the input sketch on the job's shapes: warm, and right after a GEMM."""
+def alone(repeats: int = 200) -> tuple[dict[str, float], list[tuple[str, float, dict[str, float]]]]:
+    """The factorization and the input sketch on the job's shapes: median microseconds warm (called
+    back to back), and per GEMM shape, the GEMM's milliseconds and the ops' medians right after it."""
     import torch
 
     from gift_compile.geometry import initial_basis, input_sketch, whitening_from_sketch
@@ -132,60 +134,59 @@ def alone(repeats: int = 200) -> list[tuple[str, float, dict[str, float]]]:
     sketch = input_sketch(x, basis, scale, None)
     ops = {"gift::input_sketch": lambda: input_sketch(x, basis, scale, None),
            "gift::whitening_from_sketch": lambda: whitening_from_sketch(sketch, basis, scale, damping)}
+    warm = {name: median_seconds(op, repeats) * 1e6 for name, op in ops.items()}
     rows = []
     # weight-gradient GEMMs of the backward (dY^T X): the debug model's wqkv, and one 2x longer
     for m, k, n in ((768, tokens, d), (2048, tokens, d)):
         a, b = torch.randn(m, k), torch.randn(k, n)
-        start = time.perf_counter()
-        a @ b
-        gemm_ms = (time.perf_counter() - start) * 1e3
-        timed = {}
+        gemm_ms = median_seconds(lambda: a @ b, repeats=1) * 1e3
+        after = {}
         for name, op in ops.items():
-            warm, after = [], []
-            for series, before in ((warm, None), (after, lambda: a @ b)):
-                for _ in range(repeats):
-                    if before is not None:
-                        before()
-                    start = time.perf_counter()
-                    op()
-                    series.append(time.perf_counter() - start)
-            timed[name] = {"warm_us": statistics.median(warm) * 1e6, "after_gemm_us": statistics.median(after) * 1e6}
-        rows.append((f"{m}x{k} @ {k}x{n}", gemm_ms, timed))
-    return rows
+            times = []
+            for _ in range(repeats):
+                a @ b
+                start = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - start)
+            after[name] = statistics.median(times) * 1e6
+        rows.append((f"{m}x{k} @ {k}x{n}", gemm_ms, after))
+    return warm, rows
 
 
-def report(runs: list[dict], alone_rows: list) -> str:
+def gift_ops_ms(run: dict) -> float:
+    """Milliseconds per step in ``gift::`` ops, all of them."""
+    return sum(o["ms_per_step"] for o in run["ops"].values())
+
+
+def report(runs: list[dict], warm: dict[str, float], after_gemm: list) -> str:
     lines = [f"# GIFT's codec, op by op (`python benchmarks/codec_profile.py`)", "",
              f"The main job, 2 ranks on this machine's loopback, each variant one job of {runs[0]['steps'] + WARMUP_STEPS} steps "
              f"(figures over its last {runs[0]['steps']}, rank 0). `median us`: one call's host time (wall; `cpu`: the "
              "calling thread's CPU time); `ms/step`: all calls of a step. `codec s` and `wait s` are GIFT's time meter "
              "(`gift/codec_s`, `gift/comm_wait_s`), `step s` the mean step.", ""]
     for run in runs:
-        ops = run["ops"]
-        total = sum(o["ms_per_step"] for o in ops.values())
         lines += [f"## {run['mode']}, {run['variant']}: step {run['step_s']:.3f} s, codec {run['codec_s']:.3f} s, "
-                  f"wait {run['wait_s']:.3f} s; gift:: ops {total:.1f} ms/step", "",
+                  f"wait {run['wait_s']:.3f} s; gift:: ops {gift_ops_ms(run):.1f} ms/step", "",
                   "| op | calls/step | median us | cpu us | ms/step |", "|---|---|---|---|---|"]
-        for name, o in sorted(ops.items(), key=lambda kv: -kv[1]["ms_per_step"]):
+        for name, o in sorted(run["ops"].items(), key=lambda kv: -kv[1]["ms_per_step"]):
             lines.append(f"| `{name}` | {o['calls_per_step']:.1f} | {o['median_us']:.0f} | {o['median_cpu_us']:.0f} | {o['ms_per_step']:.2f} |")
         lines.append("")
     by = {(r["mode"], r["variant"]): r for r in runs}
     for mode in dict.fromkeys(r["mode"] for r in runs):
         base = by.get((mode, "fp8"))
+        if base is None:
+            continue
         for run in (r for r in runs if r["mode"] == mode and r["variant"] != "fp8"):
-            if base is None:
-                continue
-            ops_ms = sum(o["ms_per_step"] for o in run["ops"].values()) - sum(o["ms_per_step"] for o in base["ops"].values())
             extra = (run["codec_s"] - base["codec_s"]) * 1e3
             lines.append(f"* {mode}: {run['variant']}'s codec takes {extra:+.1f} ms/step over FP8's (time meter); its gift:: ops "
-                         f"{ops_ms:+.1f} ms of it, the rest is the compiled codec and the collectives' issue. "
+                         f"{gift_ops_ms(run) - gift_ops_ms(base):+.1f} ms of it, the rest is the compiled codec and the collectives' issue. "
                          f"Step {run['step_s'] / base['step_s'] - 1:+.1%} over FP8's.")
     lines += ["", "## The two costliest ops alone (one thread; median of 200 calls, microseconds)", "",
-              "| op | warm | after a GEMM of 768x512 @ 512x256 | after a GEMM of 2048x512 @ 512x256 |", "|---|---|---|---|"]
-    for name in alone_rows[0][2]:
-        cells = [f"{alone_rows[0][2][name]['warm_us']:.0f}"] + [f"{row[2][name]['after_gemm_us']:.0f}" for row in alone_rows]
-        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
-    lines += ["", "(The GEMMs took " + ", ".join(f"{row[1]:.1f} ms" for row in alone_rows) + ".)"]
+              "| op | warm | " + " | ".join(f"after a GEMM of {label}" for label, _, _ in after_gemm) + " |",
+              "|---|---|" + "---|" * len(after_gemm)]
+    for name, us in warm.items():
+        lines.append(f"| `{name}` | {us:.0f} | " + " | ".join(f"{after[name]:.0f}" for _, _, after in after_gemm) + " |")
+    lines += ["", "(The GEMMs took " + ", ".join(f"{ms:.1f} ms" for _, ms, _ in after_gemm) + ".)"]
     return "\n".join(lines) + "\n"
 
 
@@ -206,7 +207,7 @@ def main() -> int:
                 print(f"{mode}/{variant}: {args.steps} steps ...", flush=True)
                 runs.append(profile(mode, variant, args.steps, Path(tmp)))
     print("ops alone ...", flush=True)
-    text = report(runs, alone())
+    text = report(runs, *alone())
     print(text)
     (RESULTS / f"{args.results}.md").write_text(text)
     return 0
