@@ -198,6 +198,9 @@ SKETCH_SCALE_SHRINK = 2.0**-32
 """A sketch that still overflowed (the first steps of huge inputs): the next step's ``s`` is this
 much smaller (4 steps from 1 to fp32's largest inputs), and this step sends with ``T = I``."""
 _SCALE_EXPONENT = (-120, 120)  # s stays a normal fp32 power of two, s^2 a normal float64
+NYSTROM_RTOL = 1e-10
+"""``whitening_from_sketch(nystrom=True)``: eigenvalues of ``C = Q^T W`` at or below this fraction of
+its largest are dropped from its pseudo-inverse (rounding noise in float64, not spectrum)."""
 
 
 @torch.library.custom_op("gift::input_sketch", mutates_args=())
@@ -225,7 +228,9 @@ def _identity_factors(rank: int, device: torch.device) -> torch.Tensor:
 
 
 @torch.library.custom_op("gift::whitening_from_sketch", mutates_args=())
-def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor) -> list[torch.Tensor]:
+def _whitening_from_sketch(
+    sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor, nystrom: bool = False
+) -> list[torch.Tensor]:
     """``[ritz basis, [coef, coef_inv, scale, scale_inv] packed, next basis, next sketch scale]``."""
     d, r = basis.shape
     # No host sync on a bad value: a sketch that is not finite (an input with NaN/Inf, or one so
@@ -240,6 +245,12 @@ def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: tor
     w = sketch[: d * r].view(d, r)  # s^2 W: the same digits as W
     rayleigh = (basis64.T @ w) * per_token
     values, vectors = torch.linalg.eigh((rayleigh + rayleigh.T) / 2)
+    range_w, triangle = torch.linalg.qr(w)
+    if nystrom:  # M ~ W C^+ W^T, C = Q^T M Q, whose range is W's: one more power step than Rayleigh-Ritz
+        pinv = torch.where(values > NYSTROM_RTOL * values[-1:], values, math.inf).reciprocal()
+        core = (triangle * per_token) @ vectors  # R C^+ R^T = core diag(pinv) core^T, for W = range_w R
+        values, vectors = torch.linalg.eigh((core * pinv) @ core.T)
+        basis64 = range_w
     values = values.flip(0).clamp_min(0.0)
     ritz = basis64 @ vectors.flip(1)
     trace = sketch[-2] * per_token
@@ -252,7 +263,7 @@ def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: tor
         iso = sketch.new_zeros(2)
     factors = torch.cat([damped.rsqrt() - iso[0], damped.sqrt() - iso[1], iso])
     factors = torch.where(finite, factors, _identity_factors(r, sketch.device))
-    next_basis = torch.where(finite, torch.linalg.qr(w).Q, basis64)
+    next_basis = torch.where(finite, range_w, basis.double())
     mean_square = trace / d  # of one input element, unscaled: the next scale brings it to ~1
     exponent = (-0.5 * torch.log2(mean_square)).round().clamp(*_SCALE_EXPONENT)
     rescaled = torch.where(mean_square > 0, torch.exp2(exponent), scale64)
@@ -261,13 +272,13 @@ def _whitening_from_sketch(sketch: torch.Tensor, basis: torch.Tensor, scale: tor
 
 
 @_whitening_from_sketch.register_fake
-def _(sketch, basis, scale, damping):
+def _(sketch, basis, scale, damping, nystrom=False):
     d, r = basis.shape
     return [basis.new_empty(shape) for shape in ((d, r), (2 * r + 2,), (d, r), ())]
 
 
 def whitening_from_sketch(
-    sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor | float
+    sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor | float, *, nystrom: bool = False
 ) -> tuple[Whitening, torch.Tensor, torch.Tensor]:
     """``(T, next basis, next sketch scale)`` from the all-reduced ``input_sketch`` of every rank.
 
@@ -277,9 +288,15 @@ def whitening_from_sketch(
     basis is ``qr(W)``: one more subspace-iteration step, with this step's inputs. A sketch that
     is not finite gives ``T = I`` and keeps the basis (see the op above). ``damping`` is a 0-d
     tensor (a layer's own, which ``adaptive_damping`` moves) or a number.
+
+    ``nystrom``: the eigenpairs are those of the Nystrom approximation ``W C^+ W^T`` (``C = Q^T
+    W``, its eigenvalues below ``NYSTROM_RTOL`` of the largest dropped) instead: from the same
+    sketch, in the range of ``W``, so as good as Rayleigh-Ritz on this step's ``qr(W)``. That
+    matters for a matrix whose top subspace moves from step to step (``stats_source =
+    "gradients"``); for ``A``, which moves slowly, the previous basis is as good.
     """
     damping = torch.as_tensor(damping, dtype=torch.float32, device=sketch.device)
-    ritz, factors, next_basis, next_scale = torch.ops.gift.whitening_from_sketch(sketch, basis, scale, damping)
+    ritz, factors, next_basis, next_scale = torch.ops.gift.whitening_from_sketch(sketch, basis, scale, damping, nystrom)
     r = ritz.shape[1]
     coef, coef_inv, scales = factors.split([r, r, 2])
     return Whitening.from_list("lowrank", [ritz, coef, coef_inv, scales[0], scales[1]]), next_basis, next_scale

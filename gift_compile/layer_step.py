@@ -10,6 +10,10 @@ A step has two halves, so a compiled graph can start the statistics early:
   :func:`current_factors` on the summed sketch, or the periodic ones), the live meter, then
   ``comm.quantized_reduce`` with the layer's residuals, and ``end_step``.
 
+With ``stats_source = "gradients"`` the first half only begins the step: the second sketches
+the gradient (``G_k^T G_k Q``), sums it over the ranks and waits for the sum before the
+encoding, since the gradient is what it measures.
+
 Layers that read the same input (a block's q, k and v projections; its w1 and w3) have the same
 current-step factors: their sketches, their sums and every step of their subspace iteration
 are equal (every basis starts from ``geometry.initial_basis``, which depends on the shape only).
@@ -86,10 +90,22 @@ class LayerPlan:
         return self.whitened and self.config.factor_source == "current_step"
 
     @property
+    def input_statistics(self) -> bool:
+        """Current-step factors from the layer's input (``stats_source = "inputs"``): sketched
+        in the step's first half, from the forward's input."""
+        return self.current_step and self.config.stats_source == "inputs"
+
+    @property
+    def gradient_statistics(self) -> bool:
+        """Current-step factors from the gradients (``stats_source = "gradients"``): sketched in
+        the second half, from the gradient, before its encoding."""
+        return self.current_step and self.config.stats_source == "gradients"
+
+    @property
     def may_share_statistics(self) -> bool:
-        """Current-step factors with one damping for every layer (not ``adaptive_damping``):
-        layers that read one input have the same factors (module docstring)."""
-        return self.current_step and not self.config.adaptive_damping
+        """Input statistics with one damping for every layer (not ``adaptive_damping``): layers
+        that read one input have the same factors (module docstring)."""
+        return self.input_statistics and not self.config.adaptive_damping
 
     @property
     def low_rank(self) -> int:
@@ -150,9 +166,11 @@ CurrentFactors = tuple[Whitening, torch.Tensor, torch.Tensor]
 """``(T, next basis, next sketch scale)``: what :func:`current_factors` derives from a summed sketch."""
 
 
-def sketch_all_reduce(plan: LayerPlan, layer_input: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Issue the sum over ranks of this rank's input sketch (``geometry.input_sketch``); no wait."""
-    sketch = input_sketch(layer_input, basis, scale, plan.config.stats_max_tokens)
+def sketch_all_reduce(plan: LayerPlan, rows: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Issue the sum over ranks of this rank's sketch of ``rows`` (``geometry.input_sketch``: the
+    layer's input, or with gradient statistics its weight gradient, whose rows are all used); no wait."""
+    max_tokens = plan.config.stats_max_tokens if plan.input_statistics else None
+    sketch = input_sketch(rows, basis, scale, max_tokens)
     if plan.config.stats_dtype == "bf16":
         sketch = sketch.to(torch.bfloat16)
     return c10d.all_reduce(sketch, "sum", statistics_group_name(plan.group_name))
@@ -165,7 +183,7 @@ def issue_statistics(
     Returns ``(token, summed sketch (to be waited on), basis, sketch scale, damping)``, the
     last four None without current-step factors or when the layer ``shares_statistics``."""
     token = access.begin(plan, layer_input, agreed)
-    if not plan.current_step or plan.shares_statistics:
+    if not plan.input_statistics or plan.shares_statistics:
         return token, None, None, None, None
     basis, scale, damping = access.basis(plan, token)
     return token, sketch_all_reduce(plan, layer_input, basis, scale), basis, scale, damping
@@ -176,7 +194,7 @@ def current_factors(
 ) -> CurrentFactors:
     """Wait for the summed sketch and derive the factors: once per input, for every layer that reads it."""
     summed = received(sketch).float()
-    return whitening_from_sketch(summed, basis, scale, damping)
+    return whitening_from_sketch(summed, basis, scale, damping, nystrom=plan.gradient_statistics)
 
 
 def reduce_layer(
@@ -212,6 +230,9 @@ def prepare_reduction(
     plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, factors: CurrentFactors | None,
 ) -> PreparedReduction:
     """:func:`reduce_layer` up to its reduction: the factors, the live meter, the residuals."""
+    if plan.gradient_statistics:  # this step's factors come from the gradient itself: sketch, sum, factorize
+        basis, scale, damping = access.basis(plan, token)
+        factors = current_factors(plan, sketch_all_reduce(plan, grad, basis, scale), basis, scale, damping)
     whitening, next_basis, next_scale = factors if factors is not None else (None, None, None)
     if plan.whitened:
         if whitening is None:
@@ -294,7 +315,7 @@ def begin_eagerly(
     statistics of ``layer_input`` from ``taken`` (this step's, appended to) or issue them.
     Returns the plan (``shares_statistics`` set when taken), the token and the statistics."""
     token = access.begin(plan, layer_input, None)
-    if not plan.current_step:
+    if not plan.input_statistics:
         return plan, token, None
     for statistics in taken if plan.may_share_statistics else ():
         if statistics.reads(plan, layer_input):

@@ -8,7 +8,9 @@ formulation, the oracle takes the other one, so agreement checks the derivation:
   explicitly whenever ``T`` changes: ``R <- R T_old^-1 T_new`` (the library keeps it in the
   gradient's coordinates);
 * ``T`` is a dense ``d x d`` matrix built from an explicitly formed ``A`` (the library never
-  forms ``A`` for current-step factors and applies ``T`` in low-rank form);
+  forms ``A`` for current-step factors and applies ``T`` in low-rank form); with gradient
+  statistics ``A = sum_k G_k^T G_k / rows`` and its Nystrom approximation is formed densely
+  with a pseudo-inverse and decomposed whole (the library works on ``r x r`` matrices only);
 * FP8 e4m3 and FP4 E2M1 rounding are written out from the formats' definitions (the library
   casts FP8, and rounds FP4 arithmetically on a different formula).
 
@@ -121,6 +123,7 @@ class OracleLayer:
     damping: float
     error_feedback: bool = True
     factor_source: str = "current_step"  # or "periodic"
+    statistics: str = "inputs"  # or "gradients": T from sum_k G_k^T G_k (current step), by Nystrom
     refresh_interval: int = 10
     ema_decay: float = 0.5
     collective: str = "reduce_scatter"  # or "all_reduce" (an all-gather on the wire with owner error feedback)
@@ -146,10 +149,18 @@ class OracleLayer:
         """One sender's round trip on the wire: per-tensor e4m3, or FP4 with its block scales."""
         return quantize(v) if self.wire == "e4m3" else fp4_round_trip(v, self.wire)
 
-    def _new_transform(self, inputs: list[torch.Tensor]) -> None:
-        rows = [x.double().reshape(-1, self.d_in) for x in inputs]
+    def _new_transform(self, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        rows = [x.double().reshape(-1, self.d_in) for x in (grads if self.statistics == "gradients" else inputs)]
         a = sum(x.T @ x for x in rows) / sum(x.shape[0] for x in rows)
-        if self.factor_source == "current_step":
+        if self.statistics == "gradients":
+            # The Nystrom approximation A Q (Q^T A Q)^+ Q^T A, formed densely, its top eigenpairs
+            # by a full eigh (its rank is at most ``rank``); then one power step for the next Q.
+            sketch = a @ self.basis
+            nystrom = sketch @ torch.linalg.pinv(self.basis.T @ sketch, rtol=1e-10, hermitian=True) @ sketch.T
+            all_values, all_vectors = torch.linalg.eigh((nystrom + nystrom.T) / 2)
+            values, vectors = all_values[-self.rank:], all_vectors[:, -self.rank:]
+            self.basis = torch.linalg.qr(sketch).Q
+        elif self.factor_source == "current_step":
             # Rayleigh-Ritz on the previous basis with this step's A, then one power step.
             values, small = torch.linalg.eigh(self.basis.T @ a @ self.basis)
             vectors = self.basis @ small
@@ -179,7 +190,7 @@ class OracleLayer:
     def reduce(self, grads: list[torch.Tensor], inputs: list[torch.Tensor], op: str = "avg") -> torch.Tensor:
         """The reduced gradient (all ``d_out`` rows) of one step."""
         if self.whiten:
-            self._new_transform(inputs)
+            self._new_transform(inputs, grads)
         decoded = []
         for r, g in enumerate(grads):
             sent = g.double() @ self.t + (self.carried(self.residuals[r], g.double() @ self.t) if self.error_feedback else 0)

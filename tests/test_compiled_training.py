@@ -106,6 +106,16 @@ def test_fp4_compiled_gradients_match_the_eager_reference(tmp_path, ranks, fp4_f
         assert result["fc1"]["bytes_sent"] / 8 <= 0.6 * 2 * (256 + 4)
 
 
+def test_gradient_statistics_compiled_match_the_eager_reference(cache_root, ranks):
+    # stats_source = "gradients": the graph sketches each selected gradient where its reduction
+    # was, sums the sketch and waits for it before the encoding; the reference does the same
+    # eagerly (the numbers themselves: test_oracle.py). Bit for bit, every step.
+    config = CONFIG.replace(stats_source="gradients")
+    for result in ranks(2).run(train_side_by_side, cache_root, 10, "gradient-stats", config):
+        assert result["worst"]["weight"] == 0.0 and result["worst"]["bias"] < 1e-6
+        assert result["fc2"]["stats_bytes"] == result["reference_fc2"]["stats_bytes"] > 0
+
+
 def test_adaptive_damping_moves_the_same_way_compiled_and_eager(cache_root, ranks):
     # The damping is state, read by the graph at run time (gift::load_basis) and moved from the
     # summed meter readings: compiled and eager move it identically, every rank alike, and the

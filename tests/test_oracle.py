@@ -54,8 +54,8 @@ def eager_steps(rank, world, config, collective, steps):
 def oracle_outputs(world, config, collective, steps, rank=RANK):
     wire = config.fp4_format if config.gift_dtype == "fp4" else config.fp8_format
     oracle = OracleLayer(D_OUT, D_IN, world, rank, config.damping, error_feedback=config.error_feedback,
-                         factor_source=config.factor_source, refresh_interval=config.refresh_interval, collective=collective,
-                         wire=wire)
+                         factor_source=config.factor_source, statistics=config.stats_source,
+                         refresh_interval=config.refresh_interval, collective=collective, wire=wire)
     outputs = []
     for step in range(steps):
         data = [step_data(r, step) for r in range(world)]
@@ -98,6 +98,21 @@ def test_fp4_wire_matches_the_oracle(fp4_format, collective, ranks):
     outputs = ranks(2).run(eager_steps, config, collective, 6)
     got = [torch.cat([o[s] for o in outputs])[:D_OUT] if collective == "reduce_scatter" else outputs[0][s] for s in range(6)]
     assert_agrees(got, oracle_outputs(2, config, collective, 6), f"FP4 {fp4_format}, {collective}", flip=1e-1)
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+def test_gradient_statistics_match_the_oracle(collective, ranks):
+    # stats_source = "gradients": T from the Nystrom approximation of sum_k G_k^T G_k on the
+    # previous basis (the oracle forms it densely, with a pseudo-inverse, and eigh's it whole),
+    # with error feedback; 3 ranks, so the reduce-scatter pads the last shard.
+    config = config_for("current_step").replace(stats_source="gradients")
+    outputs = ranks(3).run(eager_steps, config, collective, 6)
+    got = [torch.cat([o[s] for o in outputs])[:D_OUT] if collective == "reduce_scatter" else outputs[0][s] for s in range(6)]
+    assert_agrees(got, oracle_outputs(3, config, collective, 6), f"gradient statistics, {collective}")
+    # ... and it is not the input statistics' transform: the oracle's two answers differ by far
+    # more than the agreement's tolerance (a wrong source would fail above).
+    inputs = oracle_outputs(3, config.replace(stats_source="inputs"), collective, 6)
+    assert all(((g.double() - w).norm() / w.norm()).item() > 1e-3 for g, w in zip(got[1:], inputs[1:]))
 
 
 def test_a_low_rank_above_the_input_dimension_means_full_rank(ranks):
