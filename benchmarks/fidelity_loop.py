@@ -155,6 +155,13 @@ def meter_codecs() -> list[Codec]:
     return beside_euclidean_fp8([Codec("GIFT defaults", fp8), Codec("GIFT defaults, no EF", fp8.replace(error_feedback=False))])
 
 
+def meter_gradient_stats_codecs() -> list[Codec]:
+    """:func:`meter_codecs` with ``stats_source = "gradients"``: issue 22's targets on both routes."""
+    gradients = GiftConfig(layers=(), stats_source="gradients")
+    return beside_euclidean_fp8([Codec("GIFT, gradient statistics", gradients),
+                                 Codec("GIFT, gradient statistics, no EF", gradients.replace(error_feedback=False))])
+
+
 def meter_twin(codec: Codec) -> str:
     """The codec the live meter of whitened ``codec`` compares it with (its route, its wire, its error feedback)."""
     route = "all-reduce: " if codec.collective == "all_reduce" else ""
@@ -188,8 +195,22 @@ def fp4_strength_codecs() -> list[Codec]:
                   for damping in (gift.damping, 0.3, 0.1, 3.0, 10.0)]
 
 
+def gradient_stats_codecs() -> list[Codec]:
+    """GIFT whitening by its layers' inputs (``stats_source = "inputs"``, K-FAC's ``A``) and by the
+    gradients' own Gram (``"gradients"``), on FP8 and FP4 wires, without and with error feedback,
+    beside the Euclidean codecs the tables and the live meter compare them with."""
+    fp8 = GiftConfig(layers=())
+    fp4 = fp8.replace(gift_dtype="fp4", euclidean_dtype="fp4")
+    out = [Codec(f"Euclidean {wire}{' + EF' if ef else ''}", config.replace(euclidean_error_feedback=ef), whitened=False)
+           for wire, config in (("FP8", fp8), ("FP4", fp4)) for ef in (False, True)]
+    return out + [Codec(f"GIFT {wire}{'' if ef else ', no EF'}{', gradient statistics' if source == 'gradients' else ''}",
+                        config.replace(stats_source=source, error_feedback=ef))
+                  for wire, config in (("FP8", fp8), ("FP4", fp4)) for source in ("inputs", "gradients") for ef in (False, True)]
+
+
 CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs, "damping": damping_codecs,
-              "patience": patience_codecs, "fp4_strength": fp4_strength_codecs}
+              "patience": patience_codecs, "fp4_strength": fp4_strength_codecs, "gradient_stats": gradient_stats_codecs,
+              "meter_gradient_stats": meter_gradient_stats_codecs}
 
 
 def codecs() -> list[Codec]:
@@ -617,7 +638,9 @@ def main() -> None:
                              "meter's readings beside the truth, both routes, with and without error feedback (fidelity_loop_meter.md); "
                              "damping: fixed against adaptive damping (fidelity_loop_damping.md); patience: the fallback's "
                              "patience at 3, 2 and 1 readings (fidelity_loop_patience.md); fp4_strength: GIFT-FP4 at "
-                             "dampings 0.1 to 10 (fidelity_loop_fp4_strength.md)")
+                             "dampings 0.1 to 10 (fidelity_loop_fp4_strength.md); gradient_stats: GIFT whitening by the inputs or by the "
+                             "gradients (stats_source), FP8 and FP4 wires, with and without error feedback (fidelity_loop_gradient_stats.md); "
+                             "meter_gradient_stats: as meter, with stats_source = gradients (fidelity_loop_meter_gradient_stats.md)")
     parser.add_argument("--results", help="stem of the result files in benchmarks/results (default: from --codecs)")
     args = parser.parse_args()
     if args.quick:

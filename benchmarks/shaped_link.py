@@ -85,6 +85,10 @@ VARIANTS["gift_no_statistics"] = [*VARIANTS["gift"], "--gift.factor_source", "pe
 VARIANTS["gift_no_ef"] = [*VARIANTS["gift"], "--gift.no-error_feedback"]
 # The statistics summed on the gradients' group, as before they had one of their own (config.stats_group).
 VARIANTS["gift_shared_stats_group"] = [*VARIANTS["gift"], "--gift.stats_group", "shared"]
+# Whitening by the gradients' own statistics (config.stats_source): sketched where each gradient
+# exists, one more all-reduce per selected layer (none shared), waited on before its encoding.
+VARIANTS["gift_gradient_stats"] = [*VARIANTS["gift"], "--gift.stats_source", "gradients"]
+VARIANTS["gift_fp4_gradient_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_source", "gradients"]
 # One quantized all_to_all / all_gather per gradient instead of one per block (config.bucket).
 VARIANTS.update({f"{name}_per_gradient": [*VARIANTS[name], "--gift.no-bucket"] for name in ("fp8", "gift")})
 DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]

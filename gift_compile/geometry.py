@@ -207,7 +207,8 @@ its largest are dropped from its pseudo-inverse (rounding noise in float64, not 
 def input_sketch(x: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, max_tokens: int | None = None) -> torch.Tensor:
     """This rank's share of the current-step statistics, packed for one sum all-reduce:
     ``s^2 [X^T (X Q) (d*r), sum x^2, 0] + [0, 0, tokens]`` in fp32, with ``s = scale`` (see above).
-    Costs ``4 tokens d r`` flops, no ``d x d``."""
+    Costs ``4 tokens d r`` flops, no ``d x d``. With ``stats_source = "gradients"`` the rows are
+    the weight gradient's (``G^T G Q``, ``d_out`` rows), the same op under the same name."""
     rows = token_rows(x, max_tokens).float() * scale  # s X: every product of two is s^2 x x', exactly
     projected = rows.T @ (rows @ basis)
     # In fp32, like the projection it is compared with (the rest of the spectrum is the trace

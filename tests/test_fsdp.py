@@ -58,7 +58,7 @@ def tokens_of(step, rank):
     return torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
+def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4, stats_source="inputs"):
     from torch._dynamo.utils import counters as dynamo_counters
 
     torch._dynamo.reset()
@@ -66,8 +66,9 @@ def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4):
     euclidean_error_feedback = euclidean.endswith("+ef")
     wire = euclidean.removesuffix("+ef")
     config = GiftConfig(layers=("up",), low_rank=8, fallback=False, euclidean_dtype=wire, euclidean_error_feedback=euclidean_error_feedback,
-                        gift_dtype="fp4" if wire == "fp4" else "fp8", embedding_dtype="fp4" if wire == "fp4" else "fp8")
-    model, replica, runtime = sharded_mixed(world, config, f"fsdp-{world}-{reduce_dtype}-{euclidean}", reduce_dtype)
+                        gift_dtype="fp4" if wire == "fp4" else "fp8", embedding_dtype="fp4" if wire == "fp4" else "fp8",
+                        stats_source=stats_source)
+    model, replica, runtime = sharded_mixed(world, config, f"fsdp-{world}-{reduce_dtype}-{euclidean}-{stats_source}", reduce_dtype)
 
     reference = GiftReducer(config)
     inputs = {}
@@ -123,6 +124,15 @@ def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype, e
         assert counters["down"]["path"] == euclidean and counters["embed"]["path"] == ("fp4" if fp4 else "fp8")
         assert counters["down"]["bytes_sent"] > 0  # every wire is counted, fp32 too (the bytes metrics)
         assert counters["up"]["error_vs_fp8"] is not None
+
+
+def test_fsdp_gradient_statistics_match_the_reference(ranks):
+    # stats_source = "gradients": the reduce-scatter sketches up's local (unsharded) gradient,
+    # sums the sketch and waits for it before the encoding (layer_step.prepare_reduction), as
+    # the reference does: bit for bit, with the statistics counted.
+    for worst, counters, _ in ranks(2).run(fsdp_steps, torch.float32, "fp8", 4, "gradients"):
+        assert worst["up.weight"] == 0.0 and worst["embed.weight"] == 0.0
+        assert counters["up"]["stats_bytes"] > 0
 
 
 def with_and_without_peeks(rank, world, factor_source):

@@ -140,6 +140,35 @@ fc1       all_to_all_single(GROUP) uint8[296] -> wait
 fc1       all_gather_into_tensor(GROUP) uint8[1, 148] -> wait
 fc1       gift::record_euclidean(NS, fc1, path=fp4, bytes_sent=296)""")
 
+    def test_gradient_statistics_are_sketched_from_the_gradient(self):
+        # stats_source="gradients": nothing in the statistics' first half but begin_step; where
+        # fc2's reduction was, its gradient is sketched, the sketch summed (the same 130 floats
+        # as the input sketch's) and waited on, and the Nystrom factorization runs before the
+        # meter and the encoding. fc1 is unchanged (compare the MLP snapshot).
+        torch.manual_seed(0)
+        config = GiftConfig(layers=("fc2",), low_rank=4, stats_source="gradients")
+        _, after = backward_before_and_after(replicate(MLP()), config, "snap_gradient_stats", {"fc2"}, torch.randn(4, 16))
+        self.assertExpectedInline(render_gift_graph(after), """\
+*         gift::agree(NS, GROUP, description=...)
+fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
+fc2       mm -> grad float32[8, 32]
+fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
+fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
+fc2       gift::input_sketch()
+fc2       all_reduce(sum, GROUP) float32[130] -> wait
+fc2       gift::whitening_from_sketch(nystrom=True)
+fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
+fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
+fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
+fc2       all_to_all_single(GROUP) uint8[264] -> wait
+fc2       all_gather_into_tensor(GROUP) uint8[1, 132] -> wait
+fc2       gift::end_step(NS, fc2, GROUP, bytes_sent=264, stats_bytes=520)
+fc1       mm -> grad float32[32, 16]
+fc1.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
+fc1       all_to_all_single(GROUP) uint8[520] -> wait
+fc1       all_gather_into_tensor(GROUP) uint8[1, 260] -> wait
+fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
+
     def test_periodic_factors_are_loaded_not_computed(self):
         # factor_source="periodic": the factors come from the state (load_factors); no sketch,
         # no statistics all_reduce, no whitening_from_sketch, no next basis for end_step.
