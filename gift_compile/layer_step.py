@@ -201,7 +201,8 @@ def reduce_layer(
     plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, factors: CurrentFactors | None,
 ) -> torch.Tensor:
     """Second half: factors, meter, the FP8 reduction with error feedback, ``end_step``.
-    ``factors``: :func:`current_factors` of the layer's input (current-step factors), else None."""
+    ``factors``: :func:`current_factors` of the layer's input (input statistics), else None
+    (periodic factors, no whitening, or gradient statistics, which this half computes itself)."""
     step = prepare_reduction(plan, access, grad, token, factors)
     return step.end(quantized_reduce(grad, step.whitening, step.residual, step.gather_residual, **plan.reduction))
 
