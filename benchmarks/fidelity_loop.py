@@ -183,14 +183,24 @@ def patience_codecs() -> list[Codec]:
                                        fp8.replace(fallback_patience=n)) for n in (3, 2, 1)])
 
 
+def fp8_and_fp4() -> dict[str, GiftConfig]:
+    """The default config on the FP8 wire and on the FP4 wire (whitened and Euclidean layers alike)."""
+    fp8 = GiftConfig(layers=())
+    return {"FP8": fp8, "FP4": fp8.replace(gift_dtype="fp4", euclidean_dtype="fp4")}
+
+
+def euclidean_codecs(wires: dict[str, GiftConfig]) -> list[Codec]:
+    """Euclidean without and with error feedback on each wire: what the tables and the meter compare with."""
+    return [Codec(f"Euclidean {wire}{' + EF' if ef else ''}", config.replace(euclidean_error_feedback=ef), whitened=False)
+            for wire, config in wires.items() for ef in (False, True)]
+
+
 def fp4_strength_codecs() -> list[Codec]:
     """GIFT-FP4 (no error feedback) at its default damping and at lower (stronger whitening) and
     higher ones, beside the Euclidean codecs the tables compare with: what whitening strength buys on FP4."""
-    fp8 = GiftConfig(layers=())
-    fp4 = fp8.replace(gift_dtype="fp4", euclidean_dtype="fp4")
-    out = [Codec(f"Euclidean {wire}{' + EF' if ef else ''}", config.replace(euclidean_error_feedback=ef), whitened=False)
-           for wire, config in (("FP8", fp8), ("FP4", fp4)) for ef in (False, True)]
-    gift = fp4.replace(error_feedback=False)
+    wires = fp8_and_fp4()
+    out = euclidean_codecs(wires)
+    gift = wires["FP4"].replace(error_feedback=False)
     return out + [Codec("GIFT FP4, no EF" + ("" if damping == gift.damping else f", damping {damping}"), gift.replace(damping=damping))
                   for damping in (gift.damping, 0.3, 0.1, 3.0, 10.0)]
 
@@ -199,13 +209,11 @@ def gradient_stats_codecs() -> list[Codec]:
     """GIFT whitening by its layers' inputs (``stats_source = "inputs"``, K-FAC's ``A``) and by the
     gradients' own Gram (``"gradients"``), on FP8 and FP4 wires, without and with error feedback,
     beside the Euclidean codecs the tables and the live meter compare them with."""
-    fp8 = GiftConfig(layers=())
-    fp4 = fp8.replace(gift_dtype="fp4", euclidean_dtype="fp4")
-    out = [Codec(f"Euclidean {wire}{' + EF' if ef else ''}", config.replace(euclidean_error_feedback=ef), whitened=False)
-           for wire, config in (("FP8", fp8), ("FP4", fp4)) for ef in (False, True)]
-    return out + [Codec(f"GIFT {wire}{'' if ef else ', no EF'}{', gradient statistics' if source == 'gradients' else ''}",
-                        config.replace(stats_source=source, error_feedback=ef))
-                  for wire, config in (("FP8", fp8), ("FP4", fp4)) for source in ("inputs", "gradients") for ef in (False, True)]
+    wires = fp8_and_fp4()
+    return euclidean_codecs(wires) + [
+        Codec(f"GIFT {wire}{'' if ef else ', no EF'}{', gradient statistics' if source == 'gradients' else ''}",
+              config.replace(stats_source=source, error_feedback=ef))
+        for wire, config in wires.items() for source in ("inputs", "gradients") for ef in (False, True)]
 
 
 CODEC_SETS = {"defaults": lambda: codecs(), "fp4": fp4_codecs, "stats": stats_codecs, "meter": meter_codecs, "damping": damping_codecs,
