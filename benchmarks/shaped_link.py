@@ -85,10 +85,11 @@ VARIANTS["gift_no_statistics"] = [*VARIANTS["gift"], "--gift.factor_source", "pe
 VARIANTS["gift_no_ef"] = [*VARIANTS["gift"], "--gift.no-error_feedback"]
 # The statistics summed on the gradients' group, as before they had one of their own (config.stats_group).
 VARIANTS["gift_shared_stats_group"] = [*VARIANTS["gift"], "--gift.stats_group", "shared"]
-# Whitening by the gradients' own statistics (config.stats_source): sketched where each gradient
-# exists, one more all-reduce per selected layer (none shared), waited on before its encoding.
-VARIANTS["gift_gradient_stats"] = [*VARIANTS["gift"], "--gift.stats_source", "gradients"]
-VARIANTS["gift_fp4_gradient_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_source", "gradients"]
+# Whitening by the layer inputs' statistics (config.stats_source; the default is the gradients'
+# own, sketched where each gradient exists and waited on before its encoding): sketched after
+# the forward, one all-reduce per block, shared by the layers that read one input.
+VARIANTS["gift_input_stats"] = [*VARIANTS["gift"], "--gift.stats_source", "inputs"]
+VARIANTS["gift_fp4_input_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_source", "inputs"]
 # One quantized all_to_all / all_gather per gradient instead of one per block (config.bucket).
 VARIANTS.update({f"{name}_per_gradient": [*VARIANTS[name], "--gift.no-bucket"] for name in ("fp8", "gift")})
 DEFAULT_VARIANTS = ["fp32", "bf16", "fp8", "gift"]

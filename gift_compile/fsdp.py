@@ -76,7 +76,8 @@ from gift_compile.comm import (
     finish_gathered,
     reduce_received,
 )
-from gift_compile.layer_step import EagerAccess, InputStatistics, LayerPlan, begin_eagerly, prepare_reduction
+from gift_compile.layer_step import (CurrentFactors, EagerAccess, InputStatistics, LayerPlan, begin_eagerly, gradient_factors,
+                                     prepare_reduction)
 from gift_compile.policy import Plan
 from gift_compile.runtime import GiftRuntime, get_runtime
 from gift_compile.static_compile import static_compile
@@ -279,11 +280,13 @@ class GiftReduceScatter(ReduceScatter):
     def _reduce_scatter(self, output_tensor, rows, group, kind: str, factor: float | None) -> None:
         runtime = get_runtime(self.namespace)
         world = rows.shape[0]
-        pending = []
+        opened = []
         for segment in self.segments:
             # this rank's whole gradient: the padding rows are zeros
             local = rows[:, segment.offset : segment.offset + segment.numel].reshape(world * segment.shard_rows, segment.cols)
-            pending.append(self._begin(runtime, segment, local[: segment.shape[0]], group, kind))
+            opened.append(self._begin(runtime, segment, local[: segment.shape[0]], group, kind))
+        self._gradient_statistics(runtime, [o for o in opened if isinstance(o, OpenStep)])
+        pending = [o.pending(FsdpRoute.of(runtime)) if isinstance(o, OpenStep) else o for o in opened]
         for segment, shard in zip(self.segments, self._exchange(runtime, pending, group, kind, "reduce_scatter")):
             if factor is not None:
                 shard = shard * factor
@@ -339,7 +342,20 @@ class GiftReduceScatter(ReduceScatter):
         return Pending(_rows_of(grad, rows), wire,
                        lambda reduced: counted(Reduction(reduced.to(grad.dtype), None, None, zeros)))
 
-    def _begin(self, runtime: GiftRuntime, segment: Segment, grad: torch.Tensor, group, op: str) -> Pending:
+    @staticmethod
+    def _gradient_statistics(runtime: GiftRuntime, opened: list[OpenStep]) -> None:
+        """With ``bucket``, the gradient-statistics layers' sketches summed in one all-reduce
+        (``layer_step.gradient_factors``; FSDP hands over their gradients together); else each
+        layer's own, in ``prepare_reduction``."""
+        waiting = [o for o in opened if o.step.gradient_statistics and o.factors is None]
+        if runtime.config.bucket and waiting:
+            factors = gradient_factors([(o.step, o.access, o.grad, o.token) for o in waiting])
+            for o, f in zip(waiting, factors):
+                o.factors = f
+
+    def _begin(self, runtime: GiftRuntime, segment: Segment, grad: torch.Tensor, group, op: str) -> Pending | OpenStep:
+        """A stateless segment's reduction, or a stateful layer's step begun (its factors, if
+        any, from the forward's statistics)."""
         route = FsdpRoute.of(runtime)
         plan = route.plan(segment)
         if plan.whitened:
@@ -359,9 +375,23 @@ class GiftReduceScatter(ReduceScatter):
             token = access.begin(step, grad, None)
         else:
             return self._stateless(runtime, plan, segment.layer or segment.module, segment, grad, group, op, "reduce_scatter")
-        prepared = prepare_reduction(step, access, grad, token, factors)
-        return route.codec.pending(grad, prepared.whitening, prepared.residual, prepared.gather_residual, prepared.end,
-                                   **step.reduction)
+        return OpenStep(step, access, grad, token, factors)
+
+
+@dataclass
+class OpenStep:
+    """A stateful layer's step in a reduce-scatter, begun: what ``prepare_reduction`` takes."""
+
+    step: LayerPlan
+    access: EagerAccess
+    grad: torch.Tensor
+    token: torch.Tensor
+    factors: CurrentFactors | None
+
+    def pending(self, route: FsdpRoute) -> Pending:
+        prepared = prepare_reduction(self.step, self.access, self.grad, self.token, self.factors)
+        return route.codec.pending(self.grad, prepared.whitening, prepared.residual, prepared.gather_residual,
+                                   prepared.end, **self.step.reduction)
 
 
 def _send(bucket: list[Pending], group, op: str, collective: str) -> list[torch.Tensor]:

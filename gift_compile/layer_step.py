@@ -93,13 +93,13 @@ class LayerPlan:
     def input_statistics(self) -> bool:
         """Current-step factors from the layer's input (``stats_source = "inputs"``): sketched
         in the step's first half, from the forward's input."""
-        return self.current_step and self.config.stats_source == "inputs"
+        return self.current_step and self.config.statistics == "inputs"
 
     @property
     def gradient_statistics(self) -> bool:
         """Current-step factors from the gradients (``stats_source = "gradients"``): sketched in
         the second half, from the gradient, before its encoding."""
-        return self.current_step and self.config.stats_source == "gradients"
+        return self.current_step and self.config.statistics == "gradients"
 
     @property
     def may_share_statistics(self) -> bool:
@@ -166,14 +166,34 @@ CurrentFactors = tuple[Whitening, torch.Tensor, torch.Tensor]
 """``(T, next basis, next sketch scale)``: what :func:`current_factors` derives from a summed sketch."""
 
 
-def sketch_all_reduce(plan: LayerPlan, rows: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Issue the sum over ranks of this rank's sketch of ``rows`` (``geometry.input_sketch``: the
-    layer's input, or with gradient statistics its weight gradient, whose rows are all used); no wait."""
+def sketch_of(plan: LayerPlan, rows: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """This rank's sketch of ``rows`` (``geometry.input_sketch``: the layer's input, or with
+    gradient statistics its weight gradient, whose rows are all used), in the wire's dtype."""
     max_tokens = plan.config.stats_max_tokens if plan.input_statistics else None
     sketch = input_sketch(rows, basis, scale, max_tokens)
-    if plan.config.stats_dtype == "bf16":
-        sketch = sketch.to(torch.bfloat16)
-    return c10d.all_reduce(sketch, "sum", statistics_group_name(plan.group_name))
+    return sketch.to(torch.bfloat16) if plan.config.stats_dtype == "bf16" else sketch
+
+
+def sketch_all_reduce(plan: LayerPlan, rows: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Issue the sum over ranks of this rank's sketch of ``rows``; no wait."""
+    return c10d.all_reduce(sketch_of(plan, rows, basis, scale), "sum", statistics_group_name(plan.group_name))
+
+
+def gradient_factors(steps: list[tuple[LayerPlan, StateAccess, torch.Tensor, torch.Tensor]]) -> list[CurrentFactors]:
+    """The current-step factors of gradient-statistics layers, from ``(plan, access, grad,
+    token)`` each, all reduced over one group: their sketches summed in one all-reduce (a
+    bucket's layers, whose gradients exist together), then each layer's Nystrom factors. A sum
+    is elementwise, so each layer gets the numbers it would alone."""
+    bases = [access.basis(plan, token) for plan, access, _, token in steps]
+    sketches = [sketch_of(plan, grad, basis, scale) for (plan, _, grad, _), (basis, scale, _) in zip(steps, bases)]
+    group_name = statistics_group_name(steps[0][0].group_name)
+    if len(sketches) == 1:
+        summed = [received(c10d.all_reduce(sketches[0], "sum", group_name))]
+    else:
+        whole = received(c10d.all_reduce(torch.cat([s.reshape(-1) for s in sketches]), "sum", group_name))
+        summed = [piece.view_as(s) for piece, s in zip(whole.split([s.numel() for s in sketches]), sketches)]
+    return [whitening_from_sketch(total.float(), basis, scale, damping, nystrom=True)
+            for total, (basis, scale, damping) in zip(summed, bases)]
 
 
 def issue_statistics(
@@ -194,7 +214,7 @@ def current_factors(
 ) -> CurrentFactors:
     """Wait for the summed sketch and derive the factors: once per input, for every layer that reads it."""
     summed = received(sketch).float()
-    return whitening_from_sketch(summed, basis, scale, damping, nystrom=plan.gradient_statistics)
+    return whitening_from_sketch(summed, basis, scale, damping)
 
 
 def reduce_layer(
@@ -230,10 +250,11 @@ class PreparedReduction:
 def prepare_reduction(
     plan: LayerPlan, access: StateAccess, grad: torch.Tensor, token: torch.Tensor, factors: CurrentFactors | None,
 ) -> PreparedReduction:
-    """:func:`reduce_layer` up to its reduction: the factors, the live meter, the residuals."""
-    if plan.gradient_statistics:  # this step's factors come from the gradient itself: sketch, sum, factorize
-        basis, scale, damping = access.basis(plan, token)
-        factors = current_factors(plan, sketch_all_reduce(plan, grad, basis, scale), basis, scale, damping)
+    """:func:`reduce_layer` up to its reduction: the factors, the live meter, the residuals.
+    With gradient statistics ``factors`` may be given (:func:`gradient_factors` of a bucket),
+    else computed here."""
+    if plan.gradient_statistics and factors is None:  # from the gradient itself: sketch, sum, factorize
+        (factors,) = gradient_factors([(plan, access, grad, token)])
     whitening, next_basis, next_scale = factors if factors is not None else (None, None, None)
     if plan.whitened:
         if whitening is None:
@@ -339,5 +360,5 @@ def step_eagerly(
 
 __all__ = [
     "CurrentFactors", "EagerAccess", "InputStatistics", "LayerPlan", "PreparedReduction", "StateAccess", "begin_eagerly",
-    "current_factors", "issue_statistics", "prepare_reduction", "reduce_layer", "step_eagerly",
+    "current_factors", "gradient_factors", "issue_statistics", "prepare_reduction", "reduce_layer", "step_eagerly",
 ]

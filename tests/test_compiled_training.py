@@ -106,12 +106,13 @@ def test_fp4_compiled_gradients_match_the_eager_reference(tmp_path, ranks, fp4_f
         assert result["fc1"]["bytes_sent"] / 8 <= 0.6 * 2 * (256 + 4)
 
 
-def test_gradient_statistics_compiled_match_the_eager_reference(cache_root, ranks):
-    # stats_source = "gradients": the graph sketches each selected gradient where its reduction
-    # was, sums the sketch and waits for it before the encoding; the reference does the same
-    # eagerly (the numbers themselves: test_oracle.py). Bit for bit, every step.
-    config = CONFIG.replace(stats_source="gradients")
-    for result in ranks(2).run(train_side_by_side, cache_root, 10, "gradient-stats", config):
+def test_input_statistics_compiled_match_the_eager_reference(cache_root, ranks):
+    # stats_source = "inputs": the graph sketches each selected layer's input after the
+    # forward and sums it while the backward runs (with the default, the gradients' statistics,
+    # it sketches the gradient where its reduction was: the tests above); the reference does
+    # the same eagerly (the numbers themselves: test_oracle.py). Bit for bit, every step.
+    config = CONFIG.replace(stats_source="inputs")
+    for result in ranks(2).run(train_side_by_side, cache_root, 10, "input-stats", config):
         assert result["worst"]["weight"] == 0.0 and result["worst"]["bias"] < 1e-6
         assert result["fc2"]["stats_bytes"] == result["reference_fc2"]["stats_bytes"] > 0
 
@@ -184,15 +185,15 @@ def test_warm_cache_in_a_new_process_still_matches(cold_run, cache_root):
         assert result["worst"]["weight"] == 0.0 and result["fc2"]["stats_bytes"] > 0
 
 
-def stacked_steps(rank, world, cache_root, blocks=3, steps=3):
-    """Blocks ``layers.i`` with fc2 whitened and fc1 on Euclidean FP8, trained from the same start
-    with each block's gradients bucketed (config.bucket) and with one collective per gradient."""
+def stacked_steps(rank, world, cache_root, layers, blocks=3, steps=3):
+    """Blocks ``layers.i`` with ``layers`` whitened and the other on Euclidean FP8, trained from the
+    same start with each block's gradients bucketed (config.bucket) and with one collective per gradient."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_root
     grads, calls = {}, {}
     for bucket in (True, False):
         torch.manual_seed(0)
         model = Stack(MLPBlock, blocks)
-        backend = gift_backend(CONFIG.replace(bucket=bucket), name=f"stack-{bucket}")
+        backend = gift_backend(CONFIG.replace(layers=layers, bucket=bucket), name=f"stack-{'-'.join(layers)}-{bucket}")
         compiled = torch.compile(replicate(model), backend=backend, fullgraph=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         grads[bucket] = []
@@ -205,20 +206,22 @@ def stacked_steps(rank, world, cache_root, blocks=3, steps=3):
     return grads, calls
 
 
-def test_bucketed_blocks_deliver_the_same_gradients_in_fewer_collectives(tmp_path, ranks):
+@pytest.mark.parametrize("layers, fewer", [(("fc2",), 3), (("fc1", "fc2"), 4)])
+def test_bucketed_blocks_deliver_the_same_gradients_in_fewer_collectives(tmp_path, ranks, layers, fewer):
     # One all_to_all and one all_gather per block carry the bytes each gradient's own would
     # (passes/bucketing.py), and one fp32 all_reduce the two biases: every gradient the same bit
-    # for bit at every step (the whitened fc2 with its state and error feedback too; two ranks
-    # add each bias element in one order either way), on both ranks, with three collectives
-    # fewer per block than one per gradient (fc1's and fc2's all_to_all and all_gather: 4 -> 2;
-    # the biases' all_reduce: 2 -> 1).
-    results = ranks(2).run(stacked_steps, str(tmp_path))
+    # for bit at every step (the whitened layers with their state and error feedback too; two
+    # ranks add each bias element in one order either way), on both ranks, with three
+    # collectives fewer per block than one per gradient (fc1's and fc2's all_to_all and
+    # all_gather: 4 -> 2; the biases' all_reduce: 2 -> 1). With both layers whitened, their
+    # gradient sketches are summed in one all_reduce too (2 -> 1): four fewer.
+    results = ranks(2).run(stacked_steps, str(tmp_path), layers)
     for grads, calls in results:
         for bucketed, alone in zip(grads[True], grads[False]):
             assert bucketed.keys() == alone.keys()
             for name in bucketed:
                 assert torch.equal(bucketed[name], alone[name]), name
-        assert calls[False] - calls[True] == 3 * 3
+        assert calls[False] - calls[True] == fewer * 3
     for name, grad in results[0][0][True][-1].items():
         assert torch.equal(grad, results[1][0][True][-1][name]), name  # the ranks agree
 
@@ -391,7 +394,7 @@ def test_a_graph_break_keeps_the_selection_per_model(ranks):
         assert "['nomatch'] match no Linear layer" in message and "['fc1', 'fc2']" in message
 
 
-SHARED = GiftConfig(low_rank=4, meter_interval=2)  # every Linear whitened
+SHARED = GiftConfig(low_rank=4, meter_interval=2, stats_source="inputs")  # every Linear whitened; sharing is for input statistics
 SHARED_STEPS = 5
 
 

@@ -58,7 +58,7 @@ def tokens_of(step, rank):
     return torch.randint(0, 50, (3, 11), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4, stats_source="inputs"):
+def fsdp_steps(rank, world, reduce_dtype, euclidean, steps=4, stats_source=None):
     from torch._dynamo.utils import counters as dynamo_counters
 
     torch._dynamo.reset()
@@ -126,11 +126,12 @@ def test_fsdp_reduce_scatter_matches_the_reference(ranks, world, reduce_dtype, e
         assert counters["up"]["error_vs_fp8"] is not None
 
 
-def test_fsdp_gradient_statistics_match_the_reference(ranks):
-    # stats_source = "gradients": the reduce-scatter sketches up's local (unsharded) gradient,
-    # sums the sketch and waits for it before the encoding (layer_step.prepare_reduction), as
-    # the reference does: bit for bit, with the statistics counted.
-    for worst, counters, _ in ranks(2).run(fsdp_steps, torch.float32, "fp8", 4, "gradients"):
+def test_fsdp_input_statistics_match_the_reference(ranks):
+    # stats_source = "inputs": up's forward hook sketches its input and starts the sum, which
+    # the reduce-scatter waits for (with the default, the gradients' statistics, the
+    # reduce-scatter sketches up's local, unsharded gradient itself: the test above), as the
+    # reference does: bit for bit, with the statistics counted.
+    for worst, counters, _ in ranks(2).run(fsdp_steps, torch.float32, "fp8", 4, "inputs"):
         assert worst["up.weight"] == 0.0 and worst["embed.weight"] == 0.0
         assert counters["up"]["stats_bytes"] > 0
 
@@ -369,7 +370,7 @@ def fsdp_llama_steps(rank, world, steps=3):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    config = GiftConfig(low_rank=4, meter_interval=2)
+    config = GiftConfig(low_rank=4, meter_interval=2, stats_source="inputs")  # sharing is for input statistics
     model = LlamaBlock()
     replica = copy.deepcopy(model)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
@@ -445,11 +446,12 @@ def fsdp_block_bucketed_or_not(rank, world, bucket, replicas=1, steps=3):
     return grads, calls, shapes
 
 
-def test_a_bucketed_fsdp_block_sends_the_same_gradients_in_two_collectives(ranks):
-    # FSDP2 hands GIFT a block's gradients in one buffer. Bucketed, every parameter is encoded
-    # first and the quantized messages travel in one all_to_all, the fp32 norm weights in one
-    # reduce-scatter; each parameter receives the bytes it would alone, so every gradient shard
-    # (state, residuals and factors included, over 3 steps) is bit for bit the same.
+def test_a_bucketed_fsdp_block_sends_the_same_gradients_in_three_collectives(ranks):
+    # FSDP2 hands GIFT a block's gradients in one buffer. Bucketed, the whitened layers'
+    # gradient sketches are summed in one all_reduce, every parameter is encoded and the
+    # quantized messages travel in one all_to_all, the fp32 norm weights in one
+    # reduce-scatter; each parameter receives the bytes (and sums) it would alone, so every
+    # gradient shard (state, residuals and factors included, over 3 steps) is bit for bit the same.
     for (bucketed, calls, shapes), (alone, calls_alone, _) in zip(ranks(2).run(fsdp_block_bucketed_or_not, True),
                                                                   ranks(2).run(fsdp_block_bucketed_or_not, False)):
         for step, (got, want) in enumerate(zip(bucketed, alone)):
@@ -457,13 +459,14 @@ def test_a_bucketed_fsdp_block_sends_the_same_gradients_in_two_collectives(ranks
                 assert torch.equal(got[name], want[name]), f"{name} differs at step {step}"
         matrices = sum(len(shape) == 2 for shape in shapes.values())  # 7 Linear weights
         vectors = len(shapes) - matrices  # 2 norm weights
+        whitened = 4  # wq, wk, wv, w2: a gradient sketch each
         for step in range(len(calls)):
-            assert calls_alone[step] == {"all_to_all_single": matrices, "reduce_scatter_tensor": vectors}
-            assert calls[step] == {"all_to_all_single": 1, "reduce_scatter_tensor": 1}
+            assert calls_alone[step] == {"all_reduce": whitened, "all_to_all_single": matrices, "reduce_scatter_tensor": vectors}
+            assert calls[step] == {"all_reduce": 1, "all_to_all_single": 1, "reduce_scatter_tensor": 1}
 
 
-def test_a_bucketed_hsdp_block_sends_the_same_gradients_in_five_collectives(ranks):
-    # HSDP (2 replicas x 2 shards): after the shard group's two collectives, the replicate
+def test_a_bucketed_hsdp_block_sends_the_same_gradients_in_six_collectives(ranks):
+    # HSDP (2 replicas x 2 shards): after the shard group's three collectives, the replicate
     # all-reduce hook reduces each shard across the replicas: quantized, an all_to_all and then
     # the owners' all-gather per matrix; the norm weights an fp32 all-reduce. Bucketed, each
     # phase sends the whole block in one call, with bit-identical shards over 3 steps.
@@ -474,8 +477,9 @@ def test_a_bucketed_hsdp_block_sends_the_same_gradients_in_five_collectives(rank
                 assert torch.equal(got[name], want[name]), f"{name} differs at step {step}"
         matrices = sum(len(shape) == 2 for shape in shapes.values())
         vectors = len(shapes) - matrices
+        whitened = 4  # a gradient sketch each, summed over the shard group
         for step in range(len(calls)):
             assert calls_alone[step] == {"all_to_all_single": 2 * matrices, "reduce_scatter_tensor": vectors,
-                                         "all_gather_into_tensor": matrices, "all_reduce": vectors}
+                                         "all_gather_into_tensor": matrices, "all_reduce": whitened + vectors}
             assert calls[step] == {"all_to_all_single": 2, "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1,
-                                   "all_reduce": 1}
+                                   "all_reduce": 2}

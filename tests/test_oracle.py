@@ -54,7 +54,7 @@ def eager_steps(rank, world, config, collective, steps):
 def oracle_outputs(world, config, collective, steps, rank=RANK):
     wire = config.fp4_format if config.gift_dtype == "fp4" else config.fp8_format
     oracle = OracleLayer(D_OUT, D_IN, world, rank, config.damping, error_feedback=config.error_feedback,
-                         factor_source=config.factor_source, statistics=config.stats_source,
+                         factor_source=config.factor_source, statistics=config.statistics,
                          refresh_interval=config.refresh_interval, collective=collective, wire=wire)
     outputs = []
     for step in range(steps):
@@ -234,11 +234,12 @@ def twice_used_steps(rank, world, steps):
 
 def test_a_layer_used_twice_reduces_each_use_with_its_own_state(ranks):
     # replicate() all-reduces each use's part of the gradient; each part gets its own GIFT state
-    # (its own inputs' statistics, its own residual): the sum must equal two independent oracles.
+    # (its own statistics, its own residual): the sum must equal two independent oracles.
     steps = 6
     outputs, counters = ranks(2).run(twice_used_steps, steps)[0]
     assert counters == {"fc": steps, "fc#2": steps}  # one GIFT step per backward for each use
-    oracles = [OracleLayer(D_OUT, D_IN, 2, RANK, 0.3, collective="all_reduce") for _ in range(2)]
+    statistics = config_for("current_step").statistics
+    oracles = [OracleLayer(D_OUT, D_IN, 2, RANK, 0.3, collective="all_reduce", statistics=statistics) for _ in range(2)]
     want = []
     for step in range(steps):
         total = 0

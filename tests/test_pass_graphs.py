@@ -85,20 +85,20 @@ fc2.weight  all_reduce(avg, GROUP) float32[8, 32] -> wait  (original)
 fc1         mm -> grad float32[32, 16]
 fc1.bias    all_reduce(avg, GROUP) float32[32] -> wait  (original)
 fc1.weight  all_reduce(avg, GROUP) float32[32, 16] -> wait  (original)""")
-        # After, fc2 (selected): the statistics start first thing in the backward, before any
-        # gradient is computed, and their all_reduce is waited on only where the gradient is
-        # sent (FP8 bytes: all_to_all, then the owners' all_gather). fc1 (not selected):
-        # stateless Euclidean FP8, counted; the biases keep their all_reduce.
+        # After, fc2 (selected): the statistics' first half only begins the step; where fc2's
+        # reduction was, its gradient is sketched (G^T G Q, the same 130 floats an input sketch
+        # sends), the sketch summed and waited on, and the Nystrom factorization runs before the
+        # meter and the encoding (FP8 bytes: all_to_all, then the owners' all_gather). fc1 (not
+        # selected): stateless Euclidean FP8, counted; the biases keep their all_reduce.
         self.assertExpectedInline(render_gift_graph(after), """\
 *         gift::agree(NS, GROUP, description=...)
 fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
-fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
-fc2       gift::input_sketch(max_tokens=8192)
-fc2       all_reduce(sum, GROUP) float32[130]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
-fc2       wait_tensor(all_reduce)
-fc2       gift::whitening_from_sketch()
+fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
+fc2       gift::input_sketch()
+fc2       all_reduce(sum, GROUP) float32[130] -> wait
+fc2       gift::whitening_from_sketch(nystrom=True)
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -121,13 +121,12 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
         self.assertExpectedInline(render_gift_graph(after), """\
 *         gift::agree(NS, GROUP, description=...)
 fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
-fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
-fc2       gift::input_sketch(max_tokens=8192)
-fc2       all_reduce(sum, GROUP) float32[130]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
-fc2       wait_tensor(all_reduce)
-fc2       gift::whitening_from_sketch()
+fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
+fc2       gift::input_sketch()
+fc2       all_reduce(sum, GROUP) float32[130] -> wait
+fc2       gift::whitening_from_sketch(nystrom=True)
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -140,23 +139,23 @@ fc1       all_to_all_single(GROUP) uint8[296] -> wait
 fc1       all_gather_into_tensor(GROUP) uint8[1, 148] -> wait
 fc1       gift::record_euclidean(NS, fc1, path=fp4, bytes_sent=296)""")
 
-    def test_gradient_statistics_are_sketched_from_the_gradient(self):
-        # stats_source="gradients": nothing in the statistics' first half but begin_step; where
-        # fc2's reduction was, its gradient is sketched, the sketch summed (the same 130 floats
-        # as the input sketch's) and waited on, and the Nystrom factorization runs before the
-        # meter and the encoding. fc1 is unchanged (compare the MLP snapshot).
+    def test_input_statistics_are_sketched_before_the_gradient(self):
+        # stats_source="inputs" (K-FAC's A): fc2's statistics start first thing in the backward,
+        # before any gradient is computed, and their all_reduce is waited on only where the
+        # gradient is sent; the factorization needs no gradient (compare the MLP snapshot).
         torch.manual_seed(0)
-        config = GiftConfig(layers=("fc2",), low_rank=4, stats_source="gradients")
-        _, after = backward_before_and_after(replicate(MLP()), config, "snap_gradient_stats", {"fc2"}, torch.randn(4, 16))
+        config = GiftConfig(layers=("fc2",), low_rank=4, stats_source="inputs")
+        _, after = backward_before_and_after(replicate(MLP()), config, "snap_input_stats", {"fc2"}, torch.randn(4, 16))
         self.assertExpectedInline(render_gift_graph(after), """\
 *         gift::agree(NS, GROUP, description=...)
 fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
+fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
+fc2       gift::input_sketch(max_tokens=8192)
+fc2       all_reduce(sum, GROUP) float32[130]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
-fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
-fc2       gift::input_sketch()
-fc2       all_reduce(sum, GROUP) float32[130] -> wait
-fc2       gift::whitening_from_sketch(nystrom=True)
+fc2       wait_tensor(all_reduce)
+fc2       gift::whitening_from_sketch()
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -193,9 +192,9 @@ fc1       all_to_all_single(GROUP) uint8[520] -> wait
 fc1       all_gather_into_tensor(GROUP) uint8[1, 260] -> wait
 fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
 
-    def test_joint_graph_sends_the_statistics_during_the_forward(self):
+    def test_joint_graph_sends_the_input_statistics_during_the_forward(self):
         # graph_trainer's own tracer (make_fx of forward + loss + backward, modules annotated
-        # with their FQNs): fc2's input is a forward node, so the sketch and its all_reduce
+        # with their FQNs), input statistics: fc2's input is a forward node, so the sketch and its all_reduce
         # start in the forward, before fc2 itself runs; the wait comes only after fc2's weight
         # gradient exists, in the backward.
         from torchtitan.experiments.graph_trainer.common_utils import annotate_module_fqns
@@ -211,7 +210,7 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
             return [loss, *torch.autograd.grad(loss, params)]
 
         graph = minimal_fx_tracer(forward_backward, module=model)(torch.randn(4, 16)).gm.graph
-        config = GiftConfig(layers=("fc2",), low_rank=4)
+        config = GiftConfig(layers=("fc2",), low_rank=4, stats_source="inputs")
         register_runtime("snap_joint", config)
         assert len(gift_collectives_pass(graph, config, "snap_joint", frozenset({"fc2"}))) == 2  # fc2 whitened, fc1 FP8
         self.assertExpectedInline(render_gift_graph(graph), """\
@@ -243,7 +242,8 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
         # passes/overlap.py after the rewrite (as the backend and graph_trainer run it): every
         # gradient collective is issued as soon as its input exists, and its wait comes only
         # after the next gradient collective's issue, with the next layer's backward (its mm)
-        # in between; the statistics go out in one all_reduce for the block, early.
+        # in between. Each layer's gradient sketch goes out as soon as its gradient exists and
+        # is waited on after the next layer's gradient is computed and sketched.
         torch.manual_seed(0)
         attention = ("wq", "wk", "wv", "wo")
         config = GiftConfig(layers=attention, low_rank=4)
@@ -254,18 +254,12 @@ fc1       gift::record_euclidean(NS, fc1, path=fp8, bytes_sent=520)""")
 wq                     gift::begin_step(NS, wq, GROUP, d_out=32, d_in=32, whitened=True)
 wk                     gift::begin_step(NS, wk, GROUP, d_out=32, d_in=32, whitened=True)
 wv                     gift::begin_step(NS, wv, GROUP, d_out=32, d_in=32, whitened=True)
-wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
 wo                     gift::begin_step(NS, wo, GROUP, d_out=32, d_in=32, whitened=True)
-wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
-*                      all_reduce(sum, GROUP) float32[260]
 w2                     mm -> grad float32[32, 64]
 w2                     all_to_all_single(GROUP) uint8[2056]
 w2                     gift::record_euclidean(NS, w2, path=fp8, bytes_sent=2056)
 w3                     mm -> grad float32[64, 32]
 w3                     all_to_all_single(GROUP) uint8[2056]
-*                      wait_tensor(all_reduce)
 w2                     wait_tensor(all_to_all_single)
 w2                     all_gather_into_tensor(GROUP) uint8[1, 1028]
 w3                     gift::record_euclidean(NS, w3, path=fp8, bytes_sent=2056)
@@ -279,30 +273,49 @@ w2                     wait_tensor(all_gather_into_tensor)
 w1                     wait_tensor(all_to_all_single)
 w1                     all_gather_into_tensor(GROUP) uint8[1, 1028]
 wo                     mm -> grad float32[32, 32]
-wo                     gift::whitening_from_sketch()
-*                      gift::whitening_from_sketch()
+wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
+wo                     gift::input_sketch()
+wo                     all_reduce(sum, GROUP) float32[130]
+w3                     wait_tensor(all_gather_into_tensor)
+ffn_norm.weight        wait_tensor(all_reduce)
+wv                     mm -> grad float32[32, 32]
+wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
+wv                     gift::input_sketch()
+wv                     all_reduce(sum, GROUP) float32[130]
+w1                     wait_tensor(all_gather_into_tensor)
+wo                     wait_tensor(all_reduce)
+wo                     gift::whitening_from_sketch(nystrom=True)
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
 wo                     all_to_all_single(GROUP) uint8[1032]
-w3                     wait_tensor(all_gather_into_tensor)
-ffn_norm.weight        wait_tensor(all_reduce)
-wv                     mm -> grad float32[32, 32]
+wk                     mm -> grad float32[32, 32]
+wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
+wk                     gift::input_sketch()
+wk                     all_reduce(sum, GROUP) float32[130]
+wv                     wait_tensor(all_reduce)
+wv                     gift::whitening_from_sketch(nystrom=True)
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
 wv                     all_to_all_single(GROUP) uint8[1032]
-w1                     wait_tensor(all_gather_into_tensor)
+wq                     mm -> grad float32[32, 32]
+wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
+wq                     gift::input_sketch()
+wq                     all_reduce(sum, GROUP) float32[130]
 wo                     wait_tensor(all_to_all_single)
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516]
-wk                     mm -> grad float32[32, 32]
+wk                     wait_tensor(all_reduce)
+wk                     gift::whitening_from_sketch(nystrom=True)
 wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
 wk                     all_to_all_single(GROUP) uint8[1032]
+attention_norm.weight  all_reduce(avg, GROUP) float32[32]  (original)
 wv                     wait_tensor(all_to_all_single)
 wv                     all_gather_into_tensor(GROUP) uint8[1, 516]
-wq                     mm -> grad float32[32, 32]
+wq                     wait_tensor(all_reduce)
+wq                     gift::whitening_from_sketch(nystrom=True)
 wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
@@ -311,16 +324,14 @@ wo                     wait_tensor(all_gather_into_tensor)
 wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     wait_tensor(all_to_all_single)
 wk                     all_gather_into_tensor(GROUP) uint8[1, 516]
-attention_norm.weight  all_reduce(avg, GROUP) float32[32]  (original)
+attention_norm.weight  wait_tensor(all_reduce)
 wv                     wait_tensor(all_gather_into_tensor)
 wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
-wq                     wait_tensor(all_to_all_single)
-wq                     all_gather_into_tensor(GROUP) uint8[1, 516]
 wk                     wait_tensor(all_gather_into_tensor)
-wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=0)
-attention_norm.weight  wait_tensor(all_reduce)
-wq                     wait_tensor(all_gather_into_tensor)
-wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=0)""")
+wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
+wq                     wait_tensor(all_to_all_single)
+wq                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
+wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=520)""")
 
     def test_a_block_sends_its_gradients_in_one_all_to_all_and_one_all_gather(self):
         # passes/bucketing.py: two blocks (layers.0, layers.1), each with fc2 whitened and fc1 on
@@ -329,10 +340,11 @@ wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_byte
         # all_gather, sent once the block's last gradient (fc1's) is encoded; everything that
         # reads their results (the decodes, fc2's end_step) comes after. The biases' fp32
         # all_reduces, which the pass leaves as they are, go in one per block too (16 + 32 floats).
-        # Both blocks' factorizations run back to back, before the first of them is needed
-        # (gift_collectives.gather_factorizations), not each after its layer's GEMM.
+        # With the inputs' statistics, both blocks' factorizations run back to back, before the
+        # first of them is needed (gift_collectives.gather_factorizations), not each after its
+        # layer's GEMM (the gradients' statistics, the default, exist only after it).
         torch.manual_seed(0)
-        config = GiftConfig(layers=("fc2",), low_rank=4)
+        config = GiftConfig(layers=("fc2",), low_rank=4, stats_source="inputs")
         selected = {"layers.0.fc2", "layers.1.fc2"}
         _, after = backward_before_and_after(replicate(Stack(MLPBlock)), config, "snap_bucket", selected, torch.randn(4, 16))
         self.assertExpectedInline(render_gift_graph(after), """\
@@ -370,6 +382,63 @@ layers.0.*    all_gather_into_tensor(GROUP) uint8[520] -> wait
 layers.0.fc2  gift::end_step(NS, layers.0.fc2, GROUP, bytes_sent=520, stats_bytes=520)
 layers.0.fc1  gift::record_euclidean(NS, layers.0.fc1, path=fp8, bytes_sent=520)""")
 
+    def test_a_block_sums_its_gradient_sketches_in_one_all_reduce(self):
+        # The default, gradient statistics, with both Linear layers of each block whitened: a
+        # block's messages travel together once its last gradient (fc1's) is encoded, so its
+        # gradient sketches are summed together once fc1's exists (one all_reduce of 2 x 130
+        # floats per block, batch_gradient_statistics); fc2's factors, meter and encoding move
+        # after that wait, then fc1's.
+        torch.manual_seed(0)
+        config = GiftConfig(layers=("fc1", "fc2"), low_rank=4)
+        selected = {"layers.0.fc1", "layers.0.fc2", "layers.1.fc1", "layers.1.fc2"}
+        _, after = backward_before_and_after(replicate(Stack(MLPBlock)), config, "snap_gradient_batch", selected, torch.randn(4, 16))
+        self.assertExpectedInline(render_gift_graph(after), """\
+*             gift::agree(NS, GROUP, description=...)
+layers.0.fc1  gift::begin_step(NS, layers.0.fc1, GROUP, d_out=32, d_in=16, whitened=True)
+layers.0.fc2  gift::begin_step(NS, layers.0.fc2, GROUP, d_out=16, d_in=32, whitened=True)
+layers.1.fc1  gift::begin_step(NS, layers.1.fc1, GROUP, d_out=32, d_in=16, whitened=True)
+layers.1.fc2  gift::begin_step(NS, layers.1.fc2, GROUP, d_out=16, d_in=32, whitened=True)
+layers.1.fc2  mm -> grad float32[16, 32]
+layers.1.fc2  gift::load_basis(NS, layers.1.fc2, d_in=32, low_rank=4)
+*             gift::input_sketch()
+layers.1.fc1  mm -> grad float32[32, 16]
+layers.1.*    all_reduce(avg, GROUP) float32[48] -> wait  (original)
+layers.1.fc1  gift::load_basis(NS, layers.1.fc1, d_in=16, low_rank=4)
+*             gift::input_sketch()
+layers.1.*    all_reduce(sum, GROUP) float32[196] -> wait
+*             gift::whitening_from_sketch(nystrom=True)
+layers.1.fc2  gift::meter(NS, layers.1.fc2, GROUP, collective=all_reduce, op=avg)
+layers.1.fc2  gift::load_residual(NS, layers.1.fc2, d_out=16, d_in=32)
+layers.1.fc2  gift::load_gather_residual(NS, layers.1.fc2, rows=8, cols=32)
+*             gift::whitening_from_sketch(nystrom=True)
+layers.1.fc1  gift::meter(NS, layers.1.fc1, GROUP, collective=all_reduce, op=avg)
+layers.1.fc1  gift::load_residual(NS, layers.1.fc1, d_out=32, d_in=16)
+layers.1.fc1  gift::load_gather_residual(NS, layers.1.fc1, rows=16, cols=16)
+layers.1.*    all_to_all_single(GROUP) uint8[1040] -> wait
+layers.1.*    all_gather_into_tensor(GROUP) uint8[520] -> wait
+layers.1.fc2  gift::end_step(NS, layers.1.fc2, GROUP, bytes_sent=520, stats_bytes=520)
+layers.1.fc1  gift::end_step(NS, layers.1.fc1, GROUP, bytes_sent=520, stats_bytes=264)
+layers.0.fc2  mm -> grad float32[16, 32]
+layers.0.fc2  gift::load_basis(NS, layers.0.fc2, d_in=32, low_rank=4)
+*             gift::input_sketch()
+layers.0.fc1  mm -> grad float32[32, 16]
+layers.0.*    all_reduce(avg, GROUP) float32[48] -> wait  (original)
+layers.0.fc1  gift::load_basis(NS, layers.0.fc1, d_in=16, low_rank=4)
+*             gift::input_sketch()
+layers.0.*    all_reduce(sum, GROUP) float32[196] -> wait
+*             gift::whitening_from_sketch(nystrom=True)
+layers.0.fc2  gift::meter(NS, layers.0.fc2, GROUP, collective=all_reduce, op=avg)
+layers.0.fc2  gift::load_residual(NS, layers.0.fc2, d_out=16, d_in=32)
+layers.0.fc2  gift::load_gather_residual(NS, layers.0.fc2, rows=8, cols=32)
+*             gift::whitening_from_sketch(nystrom=True)
+layers.0.fc1  gift::meter(NS, layers.0.fc1, GROUP, collective=all_reduce, op=avg)
+layers.0.fc1  gift::load_residual(NS, layers.0.fc1, d_out=32, d_in=16)
+layers.0.fc1  gift::load_gather_residual(NS, layers.0.fc1, rows=16, cols=16)
+layers.0.*    all_to_all_single(GROUP) uint8[1040] -> wait
+layers.0.*    all_gather_into_tensor(GROUP) uint8[520] -> wait
+layers.0.fc2  gift::end_step(NS, layers.0.fc2, GROUP, bytes_sent=520, stats_bytes=520)
+layers.0.fc1  gift::end_step(NS, layers.0.fc1, GROUP, bytes_sent=520, stats_bytes=264)""")
+
     def test_llama_block_every_collective_is_accounted_for(self):
         # 9 parameters: 7 Linear weights (the 4 attention projections GIFT, w1/w2/w3 Euclidean
         # FP8 with error feedback: a residual, no statistics, no record_euclidean) and the 2
@@ -385,12 +454,7 @@ layers.0.fc1  gift::record_euclidean(NS, layers.0.fc1, path=fp8, bytes_sent=520)
 wq                     gift::begin_step(NS, wq, GROUP, d_out=32, d_in=32, whitened=True)
 wk                     gift::begin_step(NS, wk, GROUP, d_out=32, d_in=32, whitened=True)
 wv                     gift::begin_step(NS, wv, GROUP, d_out=32, d_in=32, whitened=True)
-wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
 wo                     gift::begin_step(NS, wo, GROUP, d_out=32, d_in=32, whitened=True)
-wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
-*                      gift::input_sketch(max_tokens=8192)
-*                      all_reduce(sum, GROUP) float32[260] -> wait
 w1                     gift::begin_step(NS, w1, GROUP, d_out=64, d_in=32, whitened=False)
 w3                     gift::begin_step(NS, w3, GROUP, d_out=64, d_in=32, whitened=False)
 w2                     gift::begin_step(NS, w2, GROUP, d_out=32, d_in=64, whitened=False)
@@ -414,8 +478,10 @@ w1                     all_gather_into_tensor(GROUP) uint8[1, 1028] -> wait
 w1                     gift::end_step(NS, w1, GROUP, next_basis=None, next_scale=None, bytes_sent=2056, stats_bytes=0)
 ffn_norm.weight        all_reduce(avg, GROUP) float32[32] -> wait  (original)
 wo                     mm -> grad float32[32, 32]
-wo                     gift::whitening_from_sketch()
-*                      gift::whitening_from_sketch()
+wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
+wo                     gift::input_sketch()
+wo                     all_reduce(sum, GROUP) float32[130] -> wait
+wo                     gift::whitening_from_sketch(nystrom=True)
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
@@ -423,6 +489,10 @@ wo                     all_to_all_single(GROUP) uint8[1032] -> wait
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wo                     gift::end_step(NS, wo, GROUP, bytes_sent=1032, stats_bytes=520)
 wv                     mm -> grad float32[32, 32]
+wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
+wv                     gift::input_sketch()
+wv                     all_reduce(sum, GROUP) float32[130] -> wait
+wv                     gift::whitening_from_sketch(nystrom=True)
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -430,19 +500,27 @@ wv                     all_to_all_single(GROUP) uint8[1032] -> wait
 wv                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 wv                     gift::end_step(NS, wv, GROUP, bytes_sent=1032, stats_bytes=520)
 wk                     mm -> grad float32[32, 32]
+wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
+wk                     gift::input_sketch()
+wk                     all_reduce(sum, GROUP) float32[130] -> wait
+wk                     gift::whitening_from_sketch(nystrom=True)
 wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
 wk                     all_to_all_single(GROUP) uint8[1032] -> wait
 wk                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
-wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=0)
+wk                     gift::end_step(NS, wk, GROUP, bytes_sent=1032, stats_bytes=520)
 wq                     mm -> grad float32[32, 32]
+wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
+wq                     gift::input_sketch()
+wq                     all_reduce(sum, GROUP) float32[130] -> wait
+wq                     gift::whitening_from_sketch(nystrom=True)
 wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
 wq                     all_to_all_single(GROUP) uint8[1032] -> wait
 wq                     all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
-wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=0)
+wq                     gift::end_step(NS, wq, GROUP, bytes_sent=1032, stats_bytes=520)
 attention_norm.weight  all_reduce(avg, GROUP) float32[32] -> wait  (original)""")
 
     def test_gpt_block_fused_qkv(self):
@@ -456,12 +534,7 @@ attention_norm.weight  all_reduce(avg, GROUP) float32[32] -> wait  (original)"""
         self.assertExpectedInline(render_gift_graph(after), """\
 *                 gift::agree(NS, GROUP, description=...)
 attn.c_attn       gift::begin_step(NS, attn.c_attn, GROUP, d_out=96, d_in=32, whitened=True)
-attn.c_attn       gift::load_basis(NS, attn.c_attn, d_in=32, low_rank=4)
-*                 gift::input_sketch(max_tokens=8192)
 attn.c_proj       gift::begin_step(NS, attn.c_proj, GROUP, d_out=32, d_in=32, whitened=True)
-attn.c_proj       gift::load_basis(NS, attn.c_proj, d_in=32, low_rank=4)
-*                 gift::input_sketch(max_tokens=8192)
-*                 all_reduce(sum, GROUP) float32[260] -> wait
 mlp.c_proj        mm -> grad float32[32, 128]
 mlp.c_proj.bias   all_reduce(avg, GROUP) float32[32] -> wait  (original)
 mlp.c_proj        all_to_all_single(GROUP) uint8[4104] -> wait
@@ -476,8 +549,10 @@ ln_2.bias         all_reduce(avg, GROUP) float32[32] -> wait  (original)
 ln_2.weight       all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       mm -> grad float32[32, 32]
 attn.c_proj.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
-attn.c_proj       gift::whitening_from_sketch()
-attn.c_attn       gift::whitening_from_sketch()
+attn.c_proj       gift::load_basis(NS, attn.c_proj, d_in=32, low_rank=4)
+attn.c_proj       gift::input_sketch()
+attn.c_proj       all_reduce(sum, GROUP) float32[130] -> wait
+attn.c_proj       gift::whitening_from_sketch(nystrom=True)
 attn.c_proj       gift::meter(NS, attn.c_proj, GROUP, collective=all_reduce, op=avg)
 attn.c_proj       gift::load_residual(NS, attn.c_proj, d_out=32, d_in=32)
 attn.c_proj       gift::load_gather_residual(NS, attn.c_proj, rows=16, cols=32)
@@ -486,6 +561,10 @@ attn.c_proj       all_gather_into_tensor(GROUP) uint8[1, 516] -> wait
 attn.c_proj       gift::end_step(NS, attn.c_proj, GROUP, bytes_sent=1032, stats_bytes=520)
 attn.c_attn       mm -> grad float32[96, 32]
 attn.c_attn.bias  all_reduce(avg, GROUP) float32[96] -> wait  (original)
+attn.c_attn       gift::load_basis(NS, attn.c_attn, d_in=32, low_rank=4)
+attn.c_attn       gift::input_sketch()
+attn.c_attn       all_reduce(sum, GROUP) float32[130] -> wait
+attn.c_attn       gift::whitening_from_sketch(nystrom=True)
 attn.c_attn       gift::meter(NS, attn.c_attn, GROUP, collective=all_reduce, op=avg)
 attn.c_attn       gift::load_residual(NS, attn.c_attn, d_out=96, d_in=32)
 attn.c_attn       gift::load_gather_residual(NS, attn.c_attn, rows=48, cols=32)

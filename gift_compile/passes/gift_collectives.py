@@ -53,6 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.operator_schemas import normalize_function
 
 from gift_compile import policy
@@ -60,11 +61,11 @@ from gift_compile.agreement import describe
 from gift_compile.comm import euclidean_reduce
 from gift_compile.config import GiftConfig
 from gift_compile.geometry import Whitening
-from gift_compile.layer_step import CurrentFactors, LayerPlan, current_factors, issue_statistics, reduce_layer
+from gift_compile.layer_step import CurrentFactors, LayerPlan, current_factors, gradient_factors, issue_statistics, reduce_layer
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.bucketing import ALL_GATHER, ALL_TO_ALL, BUCKET, bucket_gradient_collectives
 from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
-from gift_compile.passes.overlap import GRADIENT_COMM, STATISTICS, mark_gradient_collectives
+from gift_compile.passes.overlap import GRADIENT_COMM, GRADIENT_STATISTICS, STATISTICS, mark_gradient_collectives
 from gift_compile.passes.time_meter import CODEC
 from gift_compile.policy import ParamKind, Plan
 
@@ -226,6 +227,8 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
                 if node not in present and node.target in (ALL_TO_ALL, ALL_GATHER):
                     node.meta[BUCKET] = bucket_of(rewrite.found.fqn)
         batch_statistics(graph)
+        if config.bucket:
+            batch_gradient_statistics(graph)
         gather_factorizations(graph, factorizations)
         if config.bucket:
             bucket_left_alone(graph, before)
@@ -318,7 +321,50 @@ def batch_statistics(graph: fx.Graph) -> None:
                 _batch(graph, batch, block, group_name)
 
 
-def _batch(graph: fx.Graph, reduces: list[fx.Node], block: str, group_name: str) -> None:
+def batch_gradient_statistics(graph: fx.Graph) -> None:
+    """One gradient-statistics all-reduce per bucket and group instead of one per layer: a
+    bucket's quantized gradients travel together once its last gradient is encoded
+    (``passes/bucketing.py``), so their sketches can be summed together once the last exists,
+    and the bucket's factorizations then run back to back. Each layer's reduction moves after
+    the batch's wait (a stable topological sort). A sketch that depends on another layer's sum
+    starts a new batch; none does in a backward, where the weight gradients feed only their
+    own reductions."""
+    buckets: dict[tuple, list[fx.Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
+        if GRADIENT_STATISTICS in node.meta:
+            buckets.setdefault((node.meta[GRADIENT_STATISTICS], node.args[2]), []).append(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    batched = False
+    for (bucket, group_name), reduces in buckets.items():
+        batches: list[list[fx.Node]] = []
+        for reduce in sorted(reduces, key=lambda r: order[r.args[0]]):
+            if batches and not _depends_on(reduce.args[0], {next(iter(r.users)) for r in batches[-1]}):
+                batches[-1].append(reduce)
+            else:
+                batches.append([reduce])
+        for batch in batches:
+            if len(batch) > 1:
+                _batch(graph, batch, bucket, group_name, key=GRADIENT_STATISTICS)
+                batched = True
+    if batched:
+        stable_topological_sort(graph)
+
+
+def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
+    """Whether ``node`` reads any of ``sources``, directly or through its inputs."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        for dep in current.all_input_nodes:
+            if dep not in seen:
+                seen.add(dep)
+                stack.append(dep)
+    return False
+
+
+def _batch(graph: fx.Graph, reduces: list[fx.Node], block: str, group_name: str, key: str = STATISTICS) -> None:
     sketches = [r.args[0] for r in reduces]
     sizes = [s.meta["val"].numel() for s in sketches]
 
@@ -329,7 +375,7 @@ def _batch(graph: fx.Graph, reduces: list[fx.Node], block: str, group_name: str)
     slices = splice_traced(graph, summed, sketches, after=sketches[-1])
     for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
         if node.args[0].target is torch.ops.aten.cat.default and node.args[0].args[0] == sketches:
-            node.meta[STATISTICS] = block  # the batch's one statistics all-reduce
+            node.meta[key] = block  # the batch's one statistics all-reduce
     for reduce, piece in zip(reduces, slices):
         (wait,) = reduce.users
         wait.replace_all_uses_with(piece)
@@ -382,6 +428,13 @@ def rewrite_stateful(
         factorizations.append([n for n in graph.nodes if n not in present])
         if plan.may_share_statistics:
             shared[key] = factors
+    elif plan.gradient_statistics:  # from the gradient, where its reduction was (batch_gradient_statistics)
+        grad = found.collective.args[0]
+        present = set(graph.nodes)
+        factors = splice_traced(graph, lambda g, t: flat_factors(gradient_factors([(plan, access, g, t)])[0]), [grad, token],
+                                before=found.wait)
+        (reduce,) = [n for n in graph.nodes if n not in present and n.target is c10d.all_reduce.default]
+        reduce.meta[GRADIENT_STATISTICS] = bucket_of(found.fqn)
 
     if factors is None:  # periodic factors, or no whitening: the token only
         def late(grad, token):

@@ -45,6 +45,10 @@ STATISTICS = "gift_statistics"
 """``node.meta`` key on a statistics all-reduce (its value: the block it sums): it feeds a layer's
 whitening, not a later phase of the same gradient's reduction."""
 
+GRADIENT_STATISTICS = "gift_gradient_statistics"
+"""``node.meta`` key on a gradient-statistics all-reduce (its value: the bucket it sums,
+``gift_collectives.bucket_of``): the first phase of its gradients' reduction, scheduled as one."""
+
 WAIT = c10d.wait_tensor.default
 ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
 """Parameter all-gathers: one per parameter as traced, one ``_out`` per bucket after graph_trainer's bucketing."""
@@ -168,8 +172,8 @@ def statistics_on_own_group(graph: fx.Graph) -> tuple[int, int]:
     second counts the ones that cannot queue behind a parameter all-gather or a gradient
     (``collectives.separate_statistics_group``)."""
     collectives = collectives_of(graph)
-    statistics = [n for n in collectives if STATISTICS in n.meta]
-    others = {_group_name(n) for n in collectives if STATISTICS not in n.meta}
+    statistics = [n for n in collectives if STATISTICS in n.meta or GRADIENT_STATISTICS in n.meta]
+    others = {_group_name(n) for n in collectives if n not in statistics}
     return len(statistics), sum(_group_name(n) not in others for n in statistics)
 
 
@@ -177,4 +181,4 @@ def _group_name(collective: fx.Node) -> str:
     return normalize_function(collective.target, collective.args, collective.kwargs, normalize_to_only_use_kwargs=True).kwargs["group_name"]
 
 
-__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]
+__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "GRADIENT_STATISTICS", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]
