@@ -10,11 +10,12 @@ A step has two halves, so a compiled graph can start the statistics early:
   :func:`current_factors` on the summed sketch, or the periodic ones), the live meter, then
   ``comm.quantized_reduce`` with the layer's residuals, and ``end_step``.
 
-With ``stats_source = "gradients"`` the first half only begins the step: the second sketches
-the gradient (``G_k^T G_k Q``), sums it over the ranks and waits for the sum before the
-encoding, since the gradient is what it measures.
+With ``stats_source = "gradients"`` (the default) the first half only begins the step: the
+second sketches the gradient (``G_k^T G_k Q``), sums it over the ranks and waits for the sum
+before the encoding, since the gradient is what it measures; :func:`gradient_factors` sums the
+sketches of several layers whose gradients exist together (a bucket) in one all-reduce.
 
-Layers that read the same input (a block's q, k and v projections; its w1 and w3) have the same
+With input statistics, layers that read the same input (a block's q, k and v projections; its w1 and w3) have the same
 current-step factors: their sketches, their sums and every step of their subspace iteration
 are equal (every basis starts from ``geometry.initial_basis``, which depends on the shape only).
 So every route sketches such an input once: the first layer that reads it sends the statistics
