@@ -324,11 +324,11 @@ def batch_statistics(graph: fx.Graph) -> None:
 def batch_gradient_statistics(graph: fx.Graph) -> None:
     """One gradient-statistics all-reduce per bucket and group instead of one per layer: a
     bucket's quantized gradients travel together once its last gradient is encoded
-    (``passes/bucketing.py``), so their sketches can be summed together once the last exists,
-    and the bucket's factorizations then run back to back. Each layer's reduction moves after
-    the batch's wait (a stable topological sort). A sketch that depends on another layer's sum
-    starts a new batch; none does in a backward, where the weight gradients feed only their
-    own reductions."""
+    (``passes/bucketing.py``), so their sketches can be summed together once the last exists.
+    Each layer's factors, meter and encoding move after the batch's wait (a stable topological
+    sort). A sketch that depends on another layer's sum starts a new batch; none does in a
+    backward, where the weight gradients feed only their own reductions. With ``bucket`` off
+    each layer keeps its own all-reduce."""
     buckets: dict[tuple, list[fx.Node]] = {}
     for node in graph.find_nodes(op="call_function", target=c10d.all_reduce.default):
         if GRADIENT_STATISTICS in node.meta:

@@ -47,7 +47,8 @@ whitening, not a later phase of the same gradient's reduction."""
 
 GRADIENT_STATISTICS = "gift_gradient_statistics"
 """``node.meta`` key on a gradient-statistics all-reduce (its value: the bucket it sums,
-``gift_collectives.bucket_of``): the first phase of its gradients' reduction, scheduled as one."""
+``gift_collectives.bucket_of``). Unlike ``STATISTICS`` it is the first phase of its gradients'
+reduction, so the scheduler moves it as a gradient collective (it counts for the lag)."""
 
 WAIT = c10d.wait_tensor.default
 ALL_GATHERS = {c10d.all_gather_into_tensor.default, c10d.all_gather_into_tensor_out.default}
