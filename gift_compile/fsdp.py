@@ -367,7 +367,7 @@ class GiftReduceScatter(ReduceScatter):
                 )
             step, token, statistics = pending
             step, access = dataclasses.replace(step, op=op), EagerAccess(runtime)
-            factors = statistics.factors(step) if statistics is not None else None
+            factors = statistics.factors() if statistics is not None else None
         elif plan.stateful:
             # Euclidean with error feedback: the layer's step without whitening; it reads no
             # input, the gradient only gives the device.

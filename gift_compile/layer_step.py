@@ -188,7 +188,7 @@ def gradient_factors(steps: list[tuple[LayerPlan, StateAccess, torch.Tensor, tor
     bases = [access.basis(plan, token) for plan, access, _, token in steps]
     sketches = [sketch_of(plan, grad, basis, scale) for (plan, _, grad, _), (basis, scale, _) in zip(steps, bases)]
     group_name = statistics_group_name(steps[0][0].group_name)
-    if len(sketches) == 1:
+    if len(sketches) == 1:  # alone: no concatenation (batch_gradient_statistics reads the batch's cat)
         summed = [received(c10d.all_reduce(sketches[0], "sum", group_name))]
     else:
         whole = received(c10d.all_reduce(torch.cat([s.reshape(-1) for s in sketches]), "sum", group_name))
@@ -210,9 +210,7 @@ def issue_statistics(
     return token, sketch_all_reduce(plan, layer_input, basis, scale), basis, scale, damping
 
 
-def current_factors(
-    plan: LayerPlan, sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor
-) -> CurrentFactors:
+def current_factors(sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor) -> CurrentFactors:
     """Wait for the summed sketch and derive the factors: once per input, for every layer that reads it."""
     summed = received(sketch).float()
     return whitening_from_sketch(summed, basis, scale, damping)
@@ -319,9 +317,9 @@ class InputStatistics:
                 and layer_input.shape == x.shape and layer_input.stride() == x.stride() and layer_input.dtype == x.dtype
                 and layer_input.device == x.device and layer_input._version == self.version)
 
-    def factors(self, plan: LayerPlan) -> CurrentFactors:
+    def factors(self) -> CurrentFactors:
         if self._factors is None:
-            self._factors = current_factors(plan, self.sketch, self.basis, self.scale, self.damping)
+            self._factors = current_factors(self.sketch, self.basis, self.scale, self.damping)
         return self._factors
 
     def settle(self) -> None:
@@ -356,7 +354,7 @@ def step_eagerly(
     ``taken``: the statistics of this step's earlier layers, shared with any that read the same input."""
     access = EagerAccess(runtime)
     plan, token, statistics = begin_eagerly(plan, access, layer_input, [] if taken is None else taken)
-    return reduce_layer(plan, access, grad, token, statistics.factors(plan) if statistics else None)
+    return reduce_layer(plan, access, grad, token, statistics.factors() if statistics else None)
 
 
 __all__ = [

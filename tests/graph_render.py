@@ -3,7 +3,8 @@
 ``render_gift_graph(graph)`` walks an FX graph in order and prints one line per *landmark*
 and nothing else (no node names, none of the decomposed arithmetic in between), so a snapshot
 changes when what the pass does changes, not when a decomposition or a generated name does.
-The MLP's backward after the pass (fc2 whitened, fc1 Euclidean FP8) starts::
+The MLP's backward after the pass (fc2 whitened by its inputs' statistics, ``stats_source =
+"inputs"``; fc1 Euclidean FP8) starts::
 
     fc2       gift::begin_step(NS, fc2, GROUP, d_out=8, d_in=32, whitened=True)
     fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)

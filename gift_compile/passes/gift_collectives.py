@@ -424,7 +424,7 @@ def rewrite_stateful(
     if statistics[0] is not None:  # this layer sketches its input: the factors, computed once, before its reduction
         statistics[0].meta[STATISTICS] = block_of(found.fqn)  # the sketch's all_reduce: batched per block below
         present = set(graph.nodes)
-        factors = splice_traced(graph, lambda *s: flat_factors(current_factors(plan, *s)), statistics, before=found.wait)
+        factors = splice_traced(graph, lambda *s: flat_factors(current_factors(*s)), statistics, before=found.wait)
         factorizations.append([n for n in graph.nodes if n not in present])
         if plan.may_share_statistics:
             shared[key] = factors
