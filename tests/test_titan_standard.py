@@ -10,6 +10,7 @@ both with the codec eager (``compile_codec = false``: the same bits, no compile 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -54,6 +55,15 @@ def test_two_nodes_run_the_job_to_the_end(runs):
     for node in (0, 1):
         assert f"--nnodes=2 --node_rank={node} --master_addr=127.0.0.1" in gift.log
         assert gift.counters(node)["layers"]  # rank r is node r's only rank: both ran GIFT
+
+
+def test_fsdp_all_gathers_are_prefetched_asynchronously_on_gloo(runs):
+    # cpu_support.overlap_fsdp_all_gathers, GIFT on or off: every rank chains the root,
+    # tok_embeddings, each block and [norm, lm_head] (tests/test_fsdp_overlap.py checks the order).
+    blocks = {name.split(".")[1] for name in runs.gift.counters(0)["layers"] if name.startswith("layers.")}
+    for result, ranks in ((runs.gift, 2), (runs.fp32, 2), (runs.hsdp, 4)):
+        chained = re.findall(r"FSDP2 all-gathers asynchronous on gloo, forward prefetch chained over (\d+) units", result.log)
+        assert chained == [str(len(blocks) + 3)] * ranks
 
 
 def test_loss_decreases_like_the_fp32_run(runs):

@@ -13,6 +13,10 @@ trainer is built. On a CUDA machine it applies nothing.
 | ``pg_timeouts_barrier`` | no CUDA device                     | ``barrier(device_ids=["cpu"])`` ``TypeError``                 |
 | ``fsdp_force_sum``    | gloo backend (checked when FSDP runs) | ``Cannot use ReduceOp.PREMUL_SUM with Gloo``                 |
 | ``cpu_roofline``      | no CUDA device                       | ``0 active drivers`` (triton) in Inductor's runtime estimate  |
+
+One more fix acts on a built model rather than on torchtitan's code, so the standard trainer
+calls it after ``fully_shard``: :func:`overlap_fsdp_all_gathers` (gloo), without which FSDP2's
+parameter all-gathers run between the blocks' compute instead of beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import types
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +186,38 @@ def apply_cpu_support() -> list[str]:
     return applied
 
 
+def overlap_fsdp_all_gathers(model: nn.Module) -> int:
+    """Let FSDP2's parameter all-gathers run beside compute on gloo; returns the number of FSDP
+    units chained (0: not gloo, or ``model`` is not ``fully_shard``-ed; nothing changed).
+
+    FSDP2 overlaps an all-gather with compute through CUDA streams: its pre-forward and
+    pre-backward unshards are synchronous (``async_op=False``), which on a GPU only enqueues the
+    collective on a side stream. With gloo a synchronous all-gather holds the host until every
+    byte has arrived, so on a slow link each block's parameters travel while no compute runs.
+    The unshards are made asynchronous (``FSDPModule._set_unshard_async_op``) and each FSDP unit
+    prefetches the next one's parameters once its own have arrived: FSDP2's explicit forward
+    prefetch, which ``async_op=True`` needs to overlap at all (its docstring). The backward's
+    default prefetch (the reverse of the forward's order) then issues asynchronous work too.
+    Values are unchanged: the same collectives, issued earlier and waited on where needed.
+
+    The chain follows the units' registration order (``model.modules()``), which is their forward
+    order in torchtitan's decoders: the root, ``tok_embeddings``, ``layers.*``, ``[norm, lm_head]``
+    (one unit). A unit is one FSDP state, however many modules one ``fully_shard`` call grouped."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule) or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return 0
+    units: dict[int, FSDPModule] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            units.setdefault(id(module._get_fsdp_state()), module)
+    chain = list(units.values())
+    model._set_unshard_async_op(True)
+    for unit, following in zip(chain, chain[1:]):
+        unit.set_modules_to_forward_prefetch([following])
+    return len(chain)
+
+
 FSDP_BUCKETING_PASS = "joint_transformer_block_bucketing_reordering_pass"
 """graph_trainer's FSDP bucketing/prefetch pass (runs on CPU through the ``cpu_roofline`` shim)."""
 
@@ -194,4 +231,5 @@ def cpu_disabled_graph_passes() -> list[str]:
     return ["selective_activation_remat_pass"]
 
 
-__all__ = ["APPLIED", "CPU_DEVICE_MODULE", "FSDP_BUCKETING_PASS", "apply_cpu_support", "cpu_disabled_graph_passes", "needed_shims"]
+__all__ = ["APPLIED", "CPU_DEVICE_MODULE", "FSDP_BUCKETING_PASS", "apply_cpu_support", "cpu_disabled_graph_passes", "needed_shims",
+           "overlap_fsdp_all_gathers"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -22,12 +23,14 @@ from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 from torchtitan.trainer import Trainer
 
 from gift_compile import timing
+from gift_compile.titan_integration import cpu_support
 from gift_compile.passes.overlap import collectives_of
 from gift_compile.titan_integration.config import GiftSection
 from gift_compile.titan_integration.graph_pass import register_pipeline
 from gift_compile.titan_integration.session import NAMESPACE, GiftSession, record_metrics
 
 register_pipeline()
+log = logging.getLogger(__name__)
 
 
 def _final_graph(trainer):
@@ -139,6 +142,10 @@ class GiftTrainer(_GiftCounters, Trainer):
             spec = config.model_spec
             config.model_spec = dataclasses.replace(spec, parallelize_fn=_shard_only(spec.parallelize_fn))
         super().__init__(config)
+        # GIFT on or off alike (fp32 runs are the baseline GIFT is measured against)
+        for part in self.model_parts:
+            if units := cpu_support.overlap_fsdp_all_gathers(part):
+                log.info("gift-titan: FSDP2 all-gathers asynchronous on gloo, forward prefetch chained over %d units", units)
         self._start_gift(config)
 
     def train_step(self, data_iterator):
