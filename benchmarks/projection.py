@@ -8,12 +8,14 @@ with a flag, e.g. for a GPU):
 * data-parallel gradient traffic per GPU per step: a bandwidth-optimal ring, so an all-reduce
   sends ``2 (N-1)/N`` and a reduce-scatter ``(N-1)/N`` of the gradient bytes, plus ``alpha``
   per ring hop; FP8 bytes are 1 per element (+ scales, negligible), GIFT adds its statistics
-  (``d_in x r`` fp32 per whitened input, all-reduced: q, k and v share one);
+  (``d_in x r`` fp32 per whitened layer, one all-reduce per block's child module, the default
+  gradient statistics; with ``--stats-source inputs`` per whitened input, q, k and v sharing one);
 * codec time: the FP8 quantize + dequantize of every gradient element at ``codec_gbps``
   (GB/s of fp32 gradient);
 * GIFT's extra compute: per whitened layer and step, whitening and unwhitening plus the error
-  feedback's transform (6 rank-``r`` GEMMs over ``d_out x d_in``) and the input sketch
-  (``4 tokens d_in r``, once per input), at ``gemm_tflops``;
+  feedback's transform (6 rank-``r`` GEMMs over ``d_out x d_in``) and the sketch (the
+  gradient's ``4 d_out d_in r`` per layer, or the input's ``4 tokens d_in r`` once per input), at
+  ``gemm_tflops``;
 * compute: ``6 P tokens`` flops at ``peak x MFU``.
 
 Without overlap a step is compute + communication + codec; with perfect overlap
@@ -68,7 +70,10 @@ MODELS = {
 }
 INPUT_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "wo", "w1": "ffn", "w3": "ffn", "w2": "w2",
             "output": "output"}
-"""The input each Linear type reads: one sketch per input (``gift_compile/layer_step.py``)."""
+"""The input each Linear type reads: one sketch per input with input statistics (``gift_compile/layer_step.py``)."""
+BUCKET_OF = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention", "w1": "feed_forward",
+             "w3": "feed_forward", "w2": "feed_forward", "output": "output"}
+"""The bucket (child module of a block) each Linear type travels in: one gradient-statistics all-reduce per bucket."""
 PAPER_SELECTED_BLOCKS = 13  # the paper whitens w2 of 13 of the 24 blocks
 SHAPED_LINK = Path(__file__).resolve().parent / "results" / "shaped_link.json"
 
@@ -136,8 +141,9 @@ def measure_gemm_tflops(d: int = 2048, r: int = 32) -> float:
 
 
 def project(model: Model, cluster: Cluster, path: str, codec_gbps: dict[str, float], gemm_tflops: float, rank: int = 32,
-            efficiency: float = 1.0) -> dict:
-    """Step-time components of ``path``; ``codec_gbps`` maps a wire ("fp8", "fp4") to its codec rate."""
+            efficiency: float = 1.0, stats_source: str = "gradients") -> dict:
+    """Step-time components of ``path``; ``codec_gbps`` maps a wire ("fp8", "fp4") to its codec rate;
+    ``stats_source``: GIFT's statistics (``GiftConfig.stats_source``, whose default is ``gradients``)."""
     n, bandwidth = cluster.gpus, cluster.gbit_per_gpu * 1e9 / 8
     grad_bytes = model.params * BYTES_PER_ELEMENT[path]
     comm = 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6  # all-reduce: ring
@@ -147,17 +153,22 @@ def project(model: Model, cluster: Cluster, path: str, codec_gbps: dict[str, flo
         codec = 2 * model.params * 4 / (codec_gbps[wire] * 1e9)  # quantize and dequantize (both all-reduce phases)
     if path.startswith("GIFT"):
         stats = flops = 0.0
-        sketched = set()  # layers that read one input (q, k, v; w1, w3) send one sketch
+        sketched = set()  # inputs: layers that read one input (q, k, v; w1, w3) send one sketch
+        summed = set()  # gradients: one all-reduce per bucket (a block's child module)
         for kind in model.selected:
             d_out, d_in, count = model.linear_shapes[kind]
             if model.name.startswith("paper"):
                 count = PAPER_SELECTED_BLOCKS
             flops += count * 6 * 2 * d_out * d_in * rank
-            if INPUT_OF[kind] not in sketched:
+            if stats_source == "gradients":  # G^T (G Q) per layer: no sharing
+                summed.add(BUCKET_OF[kind])
+                stats += count * d_in * rank * 4
+                flops += count * 4 * d_out * d_in * rank
+            elif INPUT_OF[kind] not in sketched:
                 sketched.add(INPUT_OF[kind])
                 stats += count * d_in * rank * 4
                 flops += count * 4 * cluster.tokens_per_gpu * d_in * rank
-        comm += 2 * (n - 1) / n * stats / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6 * len(sketched)
+        comm += 2 * (n - 1) / n * stats / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6 * len(sketched | summed)
         gemms = flops / (gemm_tflops * 1e12)
     compute = 6 * model.params * cluster.tokens_per_gpu / (cluster.peak_tflops * 1e12 * cluster.mfu)
     serial = compute + comm + codec + gemms
@@ -172,6 +183,10 @@ def main() -> None:
     parser.add_argument("--gemm-tflops", type=float, help="TFLOP/s of the rank-32 whitening GEMMs (default: measured here)")
     parser.add_argument("--fp4-codec-gbps", type=float, help="the same for the NVFP4 codec (default: measured here)")
     parser.add_argument("--rank", type=int, default=32, help="GIFT's low rank")
+    parser.add_argument("--stats-source", choices=["gradients", "inputs"], default="gradients",
+                        help="GIFT's statistics (GiftConfig.stats_source; default: gradients, the library's default)")
+    parser.add_argument("--shaped-link", type=Path, default=SHAPED_LINK,
+                        help="shaped_link.py's saved run to measure the overlap efficiency from")
     parser.add_argument("--overlap-efficiency", type=float,
                         help="share of min(compute, communication) hidden (default: measured by shaped_link.py, see the docstring)")
     args = parser.parse_args()
@@ -179,7 +194,7 @@ def main() -> None:
     fp4, fp4_label = (args.fp4_codec_gbps, "assumed (flag)") if args.fp4_codec_gbps else (measure_codec_gbps("fp4"), "measured on this CPU")
     gemm, gemm_label = (args.gemm_tflops, "assumed (flag)") if args.gemm_tflops else (measure_gemm_tflops(), "measured on this CPU")
     efficiency, efficiency_label = ((args.overlap_efficiency, "assumed (flag)") if args.overlap_efficiency is not None
-                                    else measured_overlap_efficiency())
+                                    else measured_overlap_efficiency(args.shaped_link))
     print("inputs:")
     print(f"  FP8 codec (quantize + dequantize): {codec:.2f} GB/s of fp32 gradient  [{codec_label}]")
     print(f"  NVFP4 codec (quantize + dequantize): {fp4:.2f} GB/s of fp32 gradient  [{fp4_label}]")
@@ -188,10 +203,12 @@ def main() -> None:
     for model, cluster in SCENARIOS:
         print(f"\n{model.name}: {model.params / 1e9:.2f}B parameters; {cluster.name}; {cluster.tokens_per_gpu} tokens/GPU/step")
         print(f"  assumed: compute at {cluster.peak_tflops:.0f} TFLOP/s x MFU {cluster.mfu}; ring all-reduce of the gradients; "
-              f"alpha {cluster.alpha_us:.0f} us per hop; GIFT statistics d_in x {args.rank} fp32 per whitened input (q, k, v share one)")
+              f"alpha {cluster.alpha_us:.0f} us per hop; GIFT statistics d_in x {args.rank} fp32 "
+              + ("per whitened layer, one all-reduce per block's child module" if args.stats_source == "gradients"
+                 else "per whitened input (q, k, v share one)"))
         rows, fp32 = [], None
         for path in PATHS:
-            t = project(model, cluster, path, {"fp8": codec, "fp4": fp4}, gemm, args.rank, efficiency)
+            t = project(model, cluster, path, {"fp8": codec, "fp4": fp4}, gemm, args.rank, efficiency, args.stats_source)
             fp32 = fp32 or t
             rows.append([path, f"{t['compute'] * 1e3:.0f}", f"{t['comm'] * 1e3:.0f}", f"{t['codec'] * 1e3:.0f}",
                          f"{t['serial'] * 1e3:.0f}", f"{t['comm'] / t['serial']:.0%}", f"{fp32['serial'] / t['serial']:.2f}x",
