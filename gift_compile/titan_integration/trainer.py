@@ -23,8 +23,8 @@ from torchtitan.experiments.graph_trainer.trainer import GraphTrainer
 from torchtitan.trainer import Trainer
 
 from gift_compile import timing
-from gift_compile.titan_integration import cpu_support
 from gift_compile.passes.overlap import collectives_of
+from gift_compile.titan_integration import cpu_support
 from gift_compile.titan_integration.config import GiftSection
 from gift_compile.titan_integration.graph_pass import register_pipeline
 from gift_compile.titan_integration.session import NAMESPACE, GiftSession, record_metrics
@@ -50,7 +50,7 @@ def _wrap_loss_recording(trainer) -> None:
     folder = Path(trainer.config.dump_folder)
     counted: dict = {}  # final graph -> its collectives, counted as GIFT's pass counts its own: once
 
-    def log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+    def log_and_record(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         original_log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra_metrics)
         graph = _final_graph(trainer)
         if graph is not None and graph not in counted:
@@ -58,7 +58,7 @@ def _wrap_loss_recording(trainer) -> None:
         record_metrics(folder, step, loss=global_avg_loss, grad_norm=grad_norm,
                        **({} if graph is None else {"gift/collectives_per_step": counted[graph]}))
 
-    processor.log = log
+    processor.log = log_and_record
     if original_validation is not None:
         def log_validation(loss, step, extra_metrics=None):
             original_validation(loss, step, extra_metrics=extra_metrics)
