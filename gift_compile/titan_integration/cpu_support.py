@@ -202,7 +202,10 @@ def overlap_fsdp_all_gathers(model: nn.Module) -> int:
 
     The chain follows the units' registration order (``model.modules()``), which is their forward
     order in torchtitan's decoders: the root, ``tok_embeddings``, ``layers.*``, ``[norm, lm_head]``
-    (one unit). A unit is one FSDP state, however many modules one ``fully_shard`` call grouped."""
+    (one unit). A unit is one FSDP state, however many modules one ``fully_shard`` call grouped.
+    Every unit runs in every forward there, so each prefetched all-gather is waited on in the
+    same forward (FSDP2 would hand a unit that skipped a forward its pending parameters at the
+    next one: that is why the trainer applies this to torchtitan's models only)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule) or not dist.is_initialized() or dist.get_backend() != "gloo":
