@@ -12,31 +12,11 @@ too; the values are the same, bit for bit.
 """
 
 import torch
-from torch import nn
 
 from gift_compile.titan_integration.cpu_support import overlap_fsdp_all_gathers
+from models import Stack
 
 BLOCKS = 3
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x.square().sum()
 
 
 def gather_order(rank, world, overlap, steps=2):
@@ -47,14 +27,14 @@ def gather_order(rank, world, overlap, steps=2):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = Stack()
+    model = Stack(blocks=BLOCKS)
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
+    for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     chained = overlap_fsdp_all_gathers(model) if overlap else 0
     events: list = []
-    for index, block in enumerate(model.blocks):
+    for index, block in enumerate(model.layers):
         block.register_forward_pre_hook(lambda module, args, index=index: events.append(("compute", index)))
     all_gather_single = dist.all_gather_single
 
@@ -69,7 +49,7 @@ def gather_order(rank, world, overlap, steps=2):
         for step in range(steps):
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))
             events.clear()
-            loss = model(x)
+            loss = model(x).square().sum()
             forwards.append(list(events))
             events.clear()
             loss.backward()
