@@ -41,6 +41,7 @@ from gift_compile.passes.compiled_autograd import LinearWeight, output_fqns, rem
 from gift_compile.passes.gift_collectives import find_gradient_collectives, gift_collectives_pass
 from gift_compile.passes.graph_utils import is_linear_type, module_fqn
 from gift_compile.passes.overlap import collectives_of, overlap_gradient_collectives
+from gift_compile.passes.pieces import send_in_pieces
 from gift_compile.runtime import GiftRuntime, is_registered, new_runtime
 from gift_compile.selection import check_patterns, linear_weight_shapes, matching
 
@@ -85,6 +86,7 @@ class GiftGraphPass(CustomGraphPass):
             )
             return
         gift_collectives_pass(graph, self.config, self.namespace, self.selected)
+        send_in_pieces(graph, self.config.wire_piece_kib * 1024)
         if self.config.overlap:
             overlap_gradient_collectives(graph)
         self.collective_calls.append(len(collectives_of(graph)))

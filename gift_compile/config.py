@@ -154,6 +154,12 @@ class GiftConfig:
     next one has been issued, so the rest of the backward computes while its bytes travel
     (``passes/overlap.py``). Off: each collective is waited on where it was issued."""
 
+    wire_piece_kib: int = 128
+    """gloo only: a quantized gradient message larger than this per destination (KiB) travels in
+    pieces of at most this size, several ``all_to_all`` / ``all_gather`` calls instead of one,
+    because gloo moves one large call at a fraction of a slow link's rate and pieces at nearly all
+    of it (``passes/pieces.py``). 0 sends each message in one call. Graph routes."""
+
     bucket: bool = True
     """Graph routes: send the quantized gradients of the Linear layers of one child module of a
     block together (``layers.3.attention``, ``layers.3.feed_forward``: ``gift_collectives.bucket_of``),
@@ -232,6 +238,7 @@ class GiftConfig:
         for name in ("scale_block_rows", "refresh_interval", "auto_profile_steps", "meter_interval", "meter_window",
                      "fallback_patience", "fallback_retry"):
             _check_int(name, getattr(self, name))
+        _check_int("wire_piece_kib", self.wire_piece_kib, minimum=0)
         for name in ("low_rank", "stats_max_tokens", "auto_max_layers"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))

@@ -1,4 +1,5 @@
-"""benchmarks/codec_profile.py: its per-op host timers see every gift:: op call, and only those."""
+"""benchmarks/codec_profile.py: its per-op host timers see every gift:: op call, and only those;
+its floor counts every GEMM of GIFT's reduction."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
-from codec_profile import OP_TIMER, op_table
+from codec_profile import OP_TIMER, op_table, reduction_gemms
+
+from gift_compile.testing.ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,3 +53,21 @@ def test_op_table_counts_calls_per_step_from_the_first_counted_step():
     assert table["a"]["calls_per_step"] == 2 and table["b"]["calls_per_step"] == 1
     assert abs(table["a"]["median_us"] - 2000) < 1e-6  # median of 1, 3, 1, 3 ms
     assert abs(table["a"]["ms_per_step"] - 4.0) < 1e-9 and abs(table["b"]["ms_per_step"] - 10.0) < 1e-9
+
+
+def test_the_floor_counts_every_gemm_of_the_reduction_on_both_routes():
+    # Derived from the algorithm (comm.py's docstring), 2 ranks, G 96 x 64, T of rank r = 32 (B: 64 x 32),
+    # each whitening G T = s G + ((G B) c) B^T and unwhitening two GEMMs, a shard half the rows:
+    # the residual guard projects G and R (G B, R B), the whitening of G + R reuses their sum (one
+    # more GEMM), and R' = (U - deq U) T^-1 is unwhitened whole (two). Then reduce-scatter: this
+    # rank's rows unwhitened (two, 48 rows). All-reduce: the owner whitens its gather residual
+    # and unwhitens the new one (two each, 48 rows), and every rank unwhitens the whole sum (two).
+    project, expand = (96, 64, 32), (96, 32, 64)
+    half_project, half_expand = (48, 64, 32), (48, 32, 64)
+    expected = {
+        "reduce_scatter": Counter({project: 3, expand: 2, half_project: 1, half_expand: 1}),
+        "all_reduce": Counter({project: 4, expand: 3, half_project: 2, half_expand: 2}),
+    }
+    for collective, gemms in expected.items():
+        for rank_gemms in run_on_ranks(reduction_gemms, 2, [(96, 64)], collective):
+            assert Counter(rank_gemms[0]) == gemms, collective

@@ -9,6 +9,7 @@ in the reference: they agree to fp32 rounding (relative 1e-6).
 """
 
 import copy
+import functools
 import os
 
 import pytest
@@ -26,8 +27,8 @@ PERIODIC = CONFIG.replace(factor_source="periodic", refresh_interval=5)
 STEPS = 30
 
 
-def batch(step, rank):
-    return torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
+def batch(step, rank, width=16):
+    return torch.randn(4, 6, width, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
 def strip_parametrization(name):
@@ -185,24 +186,25 @@ def test_warm_cache_in_a_new_process_still_matches(cold_run, cache_root):
         assert result["worst"]["weight"] == 0.0 and result["fc2"]["stats_bytes"] > 0
 
 
-def stacked_steps(rank, world, cache_root, layers, blocks=3, steps=3):
+def stacked_steps(rank, world, cache_root, layers, field="bucket", values=(True, False), block=MLPBlock, blocks=3, steps=3):
     """Blocks ``layers.i`` with ``layers`` whitened and the other on Euclidean FP8, trained from the
-    same start with each block's gradients bucketed (config.bucket) and with one collective per gradient."""
+    same start once per value of config ``field`` (by default: each block's gradients bucketed,
+    and one collective per gradient); per value, the gradients of each step and the collectives."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_root
     grads, calls = {}, {}
-    for bucket in (True, False):
+    for value in values:
         torch.manual_seed(0)
-        model = Stack(MLPBlock, blocks)
-        backend = gift_backend(CONFIG.replace(layers=layers, bucket=bucket), name=f"stack-{'-'.join(layers)}-{bucket}")
+        model = Stack(block, blocks)
+        backend = gift_backend(CONFIG.replace(layers=layers, **{field: value}), name=f"stack-{'-'.join(layers)}-{field}-{value}")
         compiled = torch.compile(replicate(model), backend=backend, fullgraph=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        grads[bucket] = []
+        grads[value] = []
         for step in range(steps):
-            compiled(batch(step, rank)).square().mean().backward()
-            grads[bucket].append({name: p.grad.clone() for name, p in model.named_parameters()})
+            compiled(batch(step, rank, width=model.layers[0].fc1.in_features)).square().mean().backward()
+            grads[value].append({name: p.grad.clone() for name, p in model.named_parameters()})
             optimizer.step()
             optimizer.zero_grad()
-        calls[bucket] = sum(c for p in backend.passes for c in p.collective_calls)
+        calls[value] = sum(c for p in backend.passes for c in p.collective_calls)
     return grads, calls
 
 
@@ -224,6 +226,22 @@ def test_bucketed_blocks_deliver_the_same_gradients_in_fewer_collectives(tmp_pat
         assert calls[False] - calls[True] == fewer * 3
     for name, grad in results[0][0][True][-1].items():
         assert torch.equal(grad, results[1][0][True][-1][name]), name  # the ranks agree
+
+
+def test_messages_sent_in_pieces_deliver_the_same_gradients(tmp_path, ranks):
+    # Blocks of 64 -> 128 -> 64: each block's bucket carries fc1's and fc2's 8,192 FP8 codes, so
+    # 8 KiB and a few scale bytes per destination in its all_to_all and per rank in its
+    # all_gather. With wire_piece_kib = 4 each goes in 3 calls (passes/pieces.py): 4 more per
+    # block. The gradients are those of one call per message, bit for bit, at every step.
+    blocks = 3
+    results = ranks(2).run(stacked_steps, str(tmp_path), ("fc2",), "wire_piece_kib", (4, 0),
+                           functools.partial(MLPBlock, 64, 128), blocks)
+    for grads, calls in results:
+        for pieces, whole in zip(grads[4], grads[0]):
+            assert pieces.keys() == whole.keys()
+            for name in pieces:
+                assert torch.equal(pieces[name], whole[name]), name
+        assert calls[4] - calls[0] == 4 * blocks
 
 
 def train_with_checkpoint(rank, world, cache_root):

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
 
-from shaped_link import DelayedLink, ShapedLink, missing_requirements, round_trip_ms
+from shaped_link import LOCAL_BATCH, DelayedLink, ShapedLink, launcher, missing_requirements, round_trip_ms, table_to_merge
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or bool(missing_requirements()), reason="network namespaces need root and iproute2")
@@ -165,3 +167,24 @@ def test_the_delay_line_adds_its_round_trip_carries_shaped_traffic_and_is_remove
         assert link.tx_bytes(0) - before > 3000000  # the payload went through the TUN device
     assert a not in namespaces() and b not in namespaces()
     assert not os.path.exists(f"/proc/{forwarder}")
+
+
+def test_every_run_trains_on_the_asked_batch_and_a_table_merges_only_its_own_batch(tmp_path):
+    # Every job (the pairs and the compute-only run) is launched with the batch asked for, so a
+    # table's limits and tokens/s hold for one batch; --merge refuses to mix two.
+    command = launcher(Path("job.toml"), tmp_path, 12, ["--nproc", "1"], 8)
+    assert command[command.index("--training.local_batch_size") + 1] == "8"
+    default = launcher(Path("job.toml"), tmp_path, 12, [])
+    job = tomllib.loads((ROOT / "examples" / "llama3_debug_cpu.toml").read_text())
+    assert default[default.index("--training.local_batch_size") + 1] == str(job["training"]["local_batch_size"])
+
+    saved = tmp_path / "table.json"
+    assert table_to_merge(saved, 8) is None  # nothing saved yet: a new table
+    saved.write_text(json.dumps({"compute_s": 1.0, "local_batch_size": 8, "results": []}))
+    assert table_to_merge(saved, 8)["compute_s"] == 1.0
+    with pytest.raises(ValueError, match="measured with --local-batch-size 8, this run asks for 2"):
+        table_to_merge(saved, 2)
+    saved.write_text(json.dumps({"compute_s": 1.0, "results": []}))  # saved before the flag: the job's batch
+    assert table_to_merge(saved, LOCAL_BATCH)["compute_s"] == 1.0
+    with pytest.raises(ValueError, match="measured with --local-batch-size 2, this run asks for 8"):
+        table_to_merge(saved, 8)

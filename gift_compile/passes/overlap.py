@@ -45,6 +45,13 @@ STATISTICS = "gift_statistics"
 """``node.meta`` key on a statistics all-reduce (its value: the block it sums): it feeds a layer's
 whitening, not a later phase of the same gradient's reduction."""
 
+PIECE_OF = "gift_piece_of"
+"""``node.meta`` key on the second and later pieces of a collective sent in pieces
+(``passes/pieces.py``): its first piece, whose issue number they share here."""
+PIECE_INPUT = "gift_piece_input"
+"""``node.meta`` key on the slices a collective's pieces are cut from: scheduled as soon as they
+can run, like a collective, so that a collective's pieces go out together."""
+
 GRADIENT_STATISTICS = "gift_gradient_statistics"
 """``node.meta`` key on a gradient-statistics all-reduce (its value: the bucket it sums,
 ``gift_collectives.bucket_of``). Unlike ``STATISTICS`` it is the first phase of its gradients'
@@ -109,9 +116,11 @@ def overlap_gradient_collectives(graph: fx.Graph, lag: int = 1) -> int:
     # wait is held until gradients are on the wire. Counted, the next block's statistics would
     # release it in the forward, where it queues behind every collective issued before it (FSDP's
     # prefetched all-gathers) and stalls the forward.
-    leading = {c for c in marked if not after_wait[c] and STATISTICS not in c.meta}
+    # The later pieces of a collective sent in pieces (passes/pieces.py) are that collective's:
+    # they take its issue number, so their waits are held with its own.
+    leading = {c for c in marked if not after_wait[c] and STATISTICS not in c.meta and PIECE_OF not in c.meta}
 
-    ready: list[tuple[int, int, fx.Node]] = []  # (0 for a gradient collective else 1, graph position, node)
+    ready: list[tuple[int, int, fx.Node]] = []  # (0 for a gradient collective or a piece's slice else 1, graph position, node)
     held: list[tuple[int, fx.Node]] = []  # gradient waits not yet eligible, by their collective's issue number
     issued: dict[fx.Node, int] = {}
 
@@ -119,7 +128,7 @@ def overlap_gradient_collectives(graph: fx.Graph, lag: int = 1) -> int:
         if node in waits:
             heapq.heappush(held, (issued[waits[node]], position[node], node))
         else:
-            heapq.heappush(ready, (0 if node in marked else 1, position[node], node))
+            heapq.heappush(ready, (0 if node in marked or PIECE_INPUT in node.meta else 1, position[node], node))
 
     for node in nodes:
         if missing[node] == 0:
@@ -133,7 +142,7 @@ def overlap_gradient_collectives(graph: fx.Graph, lag: int = 1) -> int:
         _, _, node = heapq.heappop(ready)
         order.append(node)
         if node in marked:
-            issued[node] = started
+            issued[node] = issued.get(node.meta[PIECE_OF], started) if PIECE_OF in node.meta else started
             started += node in leading
         for user in users[node]:
             missing[user] -= 1
@@ -160,7 +169,7 @@ def prefetched_all_gathers(graph: fx.Graph) -> int:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in ALL_GATHERS:
+        if node.target in ALL_GATHERS and not node.meta.get(GRADIENT_COMM):  # a gradient's second phase is not a prefetch
             prefetched += bool(pending)
             pending.add(node)
         elif node.target is WAIT:
@@ -182,4 +191,4 @@ def _group_name(collective: fx.Node) -> str:
     return normalize_function(collective.target, collective.args, collective.kwargs, normalize_to_only_use_kwargs=True).kwargs["group_name"]
 
 
-__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "GRADIENT_STATISTICS", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]
+__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "GRADIENT_STATISTICS", "PIECE_INPUT", "PIECE_OF", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]

@@ -38,6 +38,7 @@ from gift_compile.passes import time_meter
 from gift_compile.passes.overlap import (
     collectives_of, mark_gradient_collectives, overlap_gradient_collectives, prefetched_all_gathers, statistics_on_own_group,
 )
+from gift_compile.passes.pieces import send_in_pieces
 from gift_compile.runtime import get_runtime
 
 log = logging.getLogger(__name__)
@@ -284,6 +285,10 @@ def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str
     (``passes/overlap.py``; graph_trainer runs the joint graph as ordered), then put the time
     meter's ticks in (``timing.py``)."""
     ctx = get_pass_context(namespace)
+    pieces = send_in_pieces(gm.graph, ctx.config.wire_piece_kib * 1024)
+    if pieces:
+        log.info("GIFT pieces: %d more gradient collectives per step, each message at most %d KiB per destination",
+                 pieces, ctx.config.wire_piece_kib)
     if ctx.config.overlap:
         ctx.accounting.overlapped = overlap_gradient_collectives(gm.graph)
         log.info("GIFT overlap: %d gradient waits now come after a later gradient collective's issue", ctx.accounting.overlapped)

@@ -1,0 +1,127 @@
+"""Send large gradient messages over gloo in pieces: several ``all_to_all`` (or ``all_gather``)
+calls of at most ``wire_piece_kib`` per destination instead of one.
+
+Gloo moves one large ``all_to_all`` or ``all_gather`` at a fraction of a slow link's rate, and
+the same bytes in pieces at nearly all of it (``benchmarks/gloo_link.py`` on the shaped link of
+``shaped_link.py``, 50 Mbit/s, 1-4 MiB per direction: one all-to-all call 25-26 Mbit/s, in 128
+KiB pieces 43-46; one all-gather call 35-37, in pieces 46-47; an all-reduce, which gloo pipelines
+in segments itself, 45-47; docs/design.md §10). So each marked gradient collective whose
+message per destination is larger than the piece size becomes ``k`` calls on column slices of
+its per-destination rows, and their results are concatenated back::
+
+    before:  m = all_to_all(U)                       U: W rows (one per destination) of c bytes
+             wait(m)
+    after:   m_i = all_to_all(U[:, i c/k : (i+1) c/k])  for i < k      (issued together)
+             wait(m_0) .. wait(m_k-1); m = cat(m_0 .. m_k-1, dim=1)
+
+Every rank receives the same bytes in the same place as from the one call, so the result is
+bit-identical. The pieces carry the collective's marks, so the overlap scheduler
+(``passes/overlap.py``) issues them together and holds their waits as one collective's
+(:data:`PIECE_OF`). Only gloo groups are split: NCCL pipelines a large message itself, and more
+calls would only add launches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.fx.operator_schemas import normalize_function
+
+from gift_compile.passes.graph_utils import splice_traced
+from gift_compile.passes.overlap import GRADIENT_COMM, GRADIENT_STATISTICS, PIECE_INPUT, PIECE_OF, STATISTICS, WAIT
+from gift_compile.passes.time_meter import CODEC
+
+c10d = torch.ops._c10d_functional
+
+ALL_TO_ALL = c10d.all_to_all_single.default
+ALL_GATHER = c10d.all_gather_into_tensor.default
+
+def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
+    """Split every marked gradient ``all_to_all`` / ``all_gather`` on a gloo group whose message
+    per destination exceeds ``piece_bytes`` (module docstring); returns how many calls per step
+    this added (0 with ``piece_bytes = 0``)."""
+    if piece_bytes <= 0:
+        return 0
+    added = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (ALL_TO_ALL, ALL_GATHER) or not _splittable(node):
+            continue
+        group_name = _arguments(node)["group_name"]
+        group = _resolve_process_group(group_name)
+        if dist.get_backend(group) != "gloo":
+            continue
+        world = dist.get_world_size(group)
+        message = node.args[0].meta["val"]
+        rows = world if node.target is ALL_TO_ALL else 1
+        row_bytes = message.numel() * message.element_size() // rows
+        pieces = math.ceil(row_bytes / piece_bytes)
+        if pieces < 2:
+            continue
+        _split(graph, node, world, rows, pieces, group_name)
+        added += pieces - 1
+    graph.lint()
+    return added
+
+
+def _splittable(node: fx.Node) -> bool:
+    """A gradient collective (not statistics), waited on by one ``wait_tensor`` and nothing else,
+    with equal chunks both ways for an ``all_to_all`` (what ``collectives.all_to_all`` and the
+    bucketing pass issue)."""
+    if not node.meta.get(GRADIENT_COMM) or STATISTICS in node.meta or GRADIENT_STATISTICS in node.meta:
+        return False
+    if not (len(node.users) == 1 and next(iter(node.users)).target is WAIT):
+        return False
+    if node.target is ALL_TO_ALL:
+        arguments = _arguments(node)
+        chunks = arguments["input_split_sizes"]
+        return arguments["output_split_sizes"] == chunks and len(set(chunks)) == 1
+    return True
+
+
+def _arguments(node: fx.Node) -> dict:
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+
+
+def _split(graph: fx.Graph, node: fx.Node, world: int, rows: int, pieces: int, group_name: str) -> None:
+    target, shape = node.target, node.meta["val"].shape
+
+    def in_pieces(message: torch.Tensor) -> torch.Tensor:
+        per_destination = message.reshape(rows, -1)
+        width = math.ceil(per_destination.shape[1] / pieces)
+        parts = [per_destination[:, start:start + width].contiguous().reshape(-1)
+                 for start in range(0, per_destination.shape[1], width)]
+        if target is ALL_TO_ALL:
+            sent = [c10d.all_to_all_single(part, [part.numel() // world] * world, [part.numel() // world] * world, group_name)
+                    for part in parts]
+        else:
+            sent = [c10d.all_gather_into_tensor(part, world, group_name) for part in parts]
+        received = [c10d.wait_tensor(s).reshape(world, -1) for s in sent]  # one row per sender
+        return torch.cat(received, dim=1).reshape(shape)
+
+    present = set(graph.nodes)
+    result = splice_traced(graph, in_pieces, [node.args[0]], after=node)
+    added = [n for n in graph.nodes if n not in present]
+    calls = [n for n in added if n.target is target]
+    for call in calls:  # the collective's marks: the scheduler's, the bucket's, the time meter's
+        call.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+    for call in calls[1:]:
+        call.meta[PIECE_OF] = calls[0]
+    for other in added:  # the slices the pieces are cut from (everything before the first wait)
+        if other.target is WAIT:
+            break
+        if other not in calls:
+            other.meta[PIECE_INPUT] = True
+    if CODEC in node.meta:  # the slices and the concatenation are the codec's, for the time meter
+        for other in added:
+            other.meta.setdefault(CODEC, node.meta[CODEC])
+    (wait,) = node.users
+    wait.replace_all_uses_with(result)
+    graph.erase_node(wait)
+    graph.erase_node(node)
+
+
+__all__ = ["send_in_pieces"]

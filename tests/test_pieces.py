@@ -1,0 +1,100 @@
+"""passes/pieces.py: large gradient messages travel over gloo in pieces, with the same bytes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from gift_compile.passes.overlap import PIECE_OF, collectives_of, mark_gradient_collectives, overlap_gradient_collectives
+from gift_compile.passes.pieces import send_in_pieces
+from gift_compile.testing.ranks import run_on_ranks
+
+c10d = torch.ops._c10d_functional
+
+
+def _exchange_graph(a2a_message: torch.Tensor, gather_message: torch.Tensor, group_name: str) -> fx.GraphModule:
+    """A quantized reduction's two phases as the GIFT pass leaves them: an ``all_to_all`` of equal
+    chunks and an ``all_gather``, each waited on once, both marked as gradient collectives."""
+
+    def exchange(a2a_in, gather_in):
+        split = [a2a_in.numel() // 2] * 2
+        exchanged = c10d.wait_tensor(c10d.all_to_all_single(a2a_in, split, split, group_name))
+        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(gather_in, 2, group_name))
+        return exchanged, gathered
+
+    gm = make_fx(exchange)(a2a_message, gather_message)
+    mark_gradient_collectives(gm.graph.nodes)
+    return gm
+
+
+def _split_and_compare(rank: int, world: int) -> dict:
+    group_name = dist.group.WORLD.group_name
+    generator = torch.Generator().manual_seed(rank)
+    # 1,000 bytes per destination, and a (1, 600) message: each rank's own bytes
+    a2a_message = torch.randint(0, 256, (2000,), dtype=torch.uint8, generator=generator)
+    gather_message = torch.randint(0, 256, (1, 600), dtype=torch.uint8, generator=generator)
+    whole = _exchange_graph(a2a_message, gather_message, group_name)
+    split = _exchange_graph(a2a_message, gather_message, group_name)
+    added = send_in_pieces(split.graph, 400)  # 1,000 bytes in 3 pieces, 600 in 2
+    overlap_gradient_collectives(split.graph)
+    split.recompile()
+    calls = collectives_of(split.graph)
+    untouched = _exchange_graph(a2a_message, gather_message, group_name)
+    return {
+        "added": added,
+        "calls": [c.target.__name__ for c in calls],
+        "later_pieces_point_to_their_first": [c.meta.get(PIECE_OF) is not None for c in calls],
+        "same_bytes": all(torch.equal(a, b) for a, b in zip(whole(a2a_message, gather_message), split(a2a_message, gather_message))),
+        "large_pieces_leave_it": send_in_pieces(untouched.graph, 1000),  # no message is larger than a piece
+        "zero_leaves_it": send_in_pieces(untouched.graph, 0),
+    }
+
+
+def test_large_messages_travel_in_pieces_that_deliver_the_same_bytes():
+    for result in run_on_ranks(_split_and_compare, 2):
+        # 1,000 bytes per destination at 400 a piece: 3 all_to_all calls (334, 333, 333 bytes);
+        # the 600-byte all_gather: 2 calls. Every rank gets bit for bit what the one call gave.
+        assert result["added"] == 2 + 1
+        assert result["calls"] == ["all_to_all_single.default"] * 3 + ["all_gather_into_tensor.default"] * 2
+        assert result["later_pieces_point_to_their_first"] == [False, True, True, False, True]
+        assert result["same_bytes"]
+        assert result["large_pieces_leave_it"] == 0 and result["zero_leaves_it"] == 0
+
+
+def _pieces_are_one_collective_for_the_scheduler(rank: int, world: int) -> list[str]:
+    """Two gradients' all_to_alls, the first sent in 2 pieces: the order the scheduler gives."""
+    group_name = dist.group.WORLD.group_name
+
+    def two_gradients(x, w0, w1):
+        outputs = []
+        for w in (w0, w1):
+            grad = (x @ w).reshape(-1)  # each gradient's compute, then its collective
+            split = [grad.numel() // 2] * 2
+            outputs.append(c10d.wait_tensor(c10d.all_to_all_single(grad, split, split, group_name)) * 2)
+        return outputs
+
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    gm = make_fx(two_gradients)(x, w, w)
+    mark_gradient_collectives(gm.graph.nodes)
+    send_in_pieces(gm.graph, 64)  # each gradient: 8 x 8 fp32, 128 bytes per destination, in 2 pieces
+    overlap_gradient_collectives(gm.graph, lag=1)
+    order = []
+    for node in gm.graph.nodes:
+        if node.target is c10d.all_to_all_single.default:
+            order.append("piece" if PIECE_OF in node.meta else "all_to_all")
+        elif node.target is c10d.wait_tensor.default:
+            order.append("wait")
+        elif node.target is torch.ops.aten.mm.default:
+            order.append("mm")
+    return order
+
+
+def test_the_scheduler_issues_the_pieces_together_and_holds_their_waits_as_one():
+    for order in run_on_ranks(_pieces_are_one_collective_for_the_scheduler, 2):
+        # Each gradient's pieces go out together, right after its compute. With lag 1 a gradient's
+        # waits become eligible once the next gradient's collective has started: the first's after
+        # the second's, not after its own second piece (the pieces count as one collective); the
+        # last's when nothing else is left.
+        assert order == ["mm", "all_to_all", "piece", "mm", "all_to_all", "piece", "wait", "wait", "wait", "wait"], order
