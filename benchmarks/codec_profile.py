@@ -120,20 +120,37 @@ def profile(mode: str, variant: str, steps: int, workdir: Path) -> dict:
     return {"mode": mode, "variant": variant, "steps": measured, "step_s": step_s, "codec_s": codec_s, "wait_s": wait_s, "ops": ops}
 
 
-def alone(repeats: int = 200) -> tuple[dict[str, float], list[tuple[str, float, dict[str, float]]]]:
-    """The factorization and the input sketch on the job's shapes: median microseconds warm (called
-    back to back), and per GEMM shape, the GEMM's milliseconds and the ops' medians right after it."""
+TOKENS_PER_RANK = 512
+"""The job's per-rank batch: 2 sequences of 256 tokens (``examples/llama3_debug_cpu.toml``)."""
+
+
+def statistics_ops(d_out: int, d_in: int):
+    """The default config's per-step statistics of one whitened layer, as ``{op name: call}`` on
+    the job's sizes: the sketch (of the ``d_out x d_in`` gradient, or with input statistics of
+    the layer's input) and the factorization from it (Nystrom for gradient statistics)."""
     import torch
 
+    from gift_compile.config import GiftConfig
     from gift_compile.geometry import initial_basis, input_sketch, whitening_from_sketch
 
+    config = GiftConfig()
+    gradients = config.statistics == "gradients"
+    rows = torch.randn(d_out if gradients else TOKENS_PER_RANK, d_in) @ torch.randn(d_in, d_in)
+    basis, scale, damping = initial_basis(d_in, config.factor_rank(d_in)), torch.ones(()), torch.tensor(config.damping)
+    sketch = input_sketch(rows, basis, scale, None)
+    return {"gift::input_sketch": lambda: input_sketch(rows, basis, scale, None),
+            "gift::whitening_from_sketch": lambda: whitening_from_sketch(sketch, basis, scale, damping, nystrom=gradients)}
+
+
+def alone(repeats: int = 200) -> tuple[dict[str, float], list[tuple[str, float, dict[str, float]]]]:
+    """The factorization and the sketch on the job's largest whitened layer (wqkv, 768 x 256):
+    median microseconds warm (called back to back), and per GEMM shape, the GEMM's milliseconds
+    and the ops' medians right after it."""
+    import torch
+
     torch.set_num_threads(1)
-    d, rank, tokens = 256, 32, 512
-    x = torch.randn(tokens, d) @ torch.randn(d, d)
-    basis, scale, damping = initial_basis(d, rank), torch.ones(()), torch.tensor(1.0)
-    sketch = input_sketch(x, basis, scale, None)
-    ops = {"gift::input_sketch": lambda: input_sketch(x, basis, scale, None),
-           "gift::whitening_from_sketch": lambda: whitening_from_sketch(sketch, basis, scale, damping)}
+    d, tokens = 256, TOKENS_PER_RANK
+    ops = statistics_ops(3 * d, d)
     warm = {name: median_seconds(op, repeats) * 1e6 for name, op in ops.items()}
     rows = []
     # weight-gradient GEMMs of the backward (dY^T X): the debug model's wqkv, and one 2x longer
@@ -153,12 +170,121 @@ def alone(repeats: int = 200) -> tuple[dict[str, float], list[tuple[str, float, 
     return warm, rows
 
 
+def whitened_shapes() -> list[tuple[int, int]]:
+    """``(d_out, d_in)`` of every layer the main job whitens: its model built on the meta device,
+    its job file's ``[gift] layers``."""
+    import tomllib
+
+    import torch
+
+    from gift_compile.selection import linear_weight_shapes, select_layers
+    from gift_compile.titan_integration.job_configs import llama3_debug
+
+    patterns = tomllib.loads(JOB.read_text())["gift"]["layers"]
+    if patterns == "auto":
+        raise ValueError(f"{JOB} picks its layers by profiling ('auto'); the floor needs them named")
+    with torch.device("meta"):
+        shapes = linear_weight_shapes(llama3_debug().model_spec.model.build())
+    return [shapes[fqn] for fqn in select_layers(shapes, patterns)]
+
+
+def reduction_gemms(rank: int, world: int, shapes: list[tuple[int, int]], collective: str) -> list[list[tuple[int, int, int]]]:
+    """On each of ``world`` ranks: the ``(m, k, n)`` of every GEMM in GIFT's reduction of one
+    gradient of each shape (``comm.quantized_reduce``, the default config's plan on ``collective``:
+    error feedback, the all-reduce's second stage), recorded by a dispatch mode as they run."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gift_compile.comm import gather_residual_shape, quantized_reduce
+    from gift_compile.config import GiftConfig
+    from gift_compile.geometry import identity_whitening
+    from gift_compile.layer_step import LayerPlan
+
+    class GemmLog(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.gemms = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                self.gemms.append((args[0].shape[0], args[0].shape[1], args[1].shape[1]))
+            elif func in (torch.ops.aten.addmm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+                raise RuntimeError(f"reduction_gemms counts aten.mm only, the reduction ran {func}")
+            return func(*args, **(kwargs or {}))
+
+    config, group = GiftConfig(layers=["x"]), dist.group.WORLD
+    logged = []
+    for d_out, d_in in shapes:
+        plan = LayerPlan.of("x", d_out, d_in, config, whitened=True, collective=collective, op="avg", group_name=group.group_name)
+        whitening = identity_whitening(config.whitening_layout, d_in, plan.low_rank)  # the GEMMs' shapes do not depend on T's values
+        residual = torch.zeros(d_out, d_in) if plan.plan.error_feedback else None
+        gather = torch.zeros(gather_residual_shape((d_out, d_in), group)) if plan.plan.gather_error_feedback else None
+        with GemmLog() as log:
+            quantized_reduce(torch.randn(d_out, d_in), whitening, residual, gather, **plan.reduction)
+        logged.append(log.gemms)
+    return logged
+
+
+def floor(mode: str, repeats: int = 50) -> list[dict]:
+    """What GIFT computes per step beyond FP8's codec in the main job, each part timed warm on one
+    thread (the lower bound on GIFT's codec over FP8's: no state op, memory pass or collective
+    counted): per whitened layer shape, the GEMMs of its reduction (:func:`reduction_gemms`, run
+    on 2 gloo ranks) and its statistics (:func:`statistics_ops`)."""
+    from collections import Counter
+
+    import torch
+
+    from gift_compile.config import GiftConfig
+    from gift_compile.testing.ranks import run_on_ranks
+
+    collective = "all_reduce" if mode == "replicate" else "reduce_scatter"
+    counts = Counter(whitened_shapes())
+    gemms = run_on_ranks(reduction_gemms, 2, list(counts), collective)[0]
+    torch.set_num_threads(1)
+    rows = []
+    for (d_out, d_in), layer_gemms in zip(counts, gemms):
+        gemm_ms = 0.0
+        for m, k, n in layer_gemms:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            gemm_ms += median_seconds(lambda: a @ b, repeats) * 1e3
+        statistics_ms = sum(median_seconds(op, repeats) for op in statistics_ops(d_out, d_in).values()) * 1e3
+        rank = GiftConfig().factor_rank(d_in)
+        rows.append({"shape": (d_out, d_in), "layers": counts[(d_out, d_in)], "gemms": len(layer_gemms),
+                     "rank": rank, "macs_units": sum(m * k * n for m, k, n in layer_gemms) / (d_out * d_in * rank),
+                     "gemm_ms": gemm_ms, "statistics_ms": statistics_ms})
+    return rows
+
+
 def gift_ops_ms(run: dict) -> float:
     """Milliseconds per step in ``gift::`` ops, all of them."""
     return sum(o["ms_per_step"] for o in run["ops"].values())
 
 
-def report(runs: list[dict], warm: dict[str, float], after_gemm: list) -> str:
+def floor_lines(mode: str, rows: list[dict], fp8: dict | None) -> list[str]:
+    """The floor's table for ``mode`` and what it means against FP8's step of this run."""
+    lines = [f"## {mode}: GIFT's arithmetic beyond FP8's codec, warm (one thread; a floor)", "",
+             "| whitened layer (d_out x d_in) | layers | GEMMs in its reduction | their MACs / (d_out d_in r) "
+             "| GEMMs ms | sketch + factorization ms | ms per step |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        per_step = row["layers"] * (row["gemm_ms"] + row["statistics_ms"])
+        lines.append(f"| {row['shape'][0]} x {row['shape'][1]} | {row['layers']} | {row['gemms']} | {row['macs_units']:.1f} "
+                     f"| {row['gemm_ms']:.2f} | {row['statistics_ms']:.2f} | {per_step:.1f} |")
+    total_ms = sum(row["layers"] * (row["gemm_ms"] + row["statistics_ms"]) for row in rows)
+    units, rank = rows[0]["macs_units"] + 2, rows[0]["rank"]  # + the sketch's two products: G Q, then G^T (G Q)
+    lines.append("")
+    if fp8 is not None:
+        lines.append(f"* {total_ms:.1f} ms/step: {total_ms / 1e3 / fp8['step_s']:.1%} of FP8's step in this run "
+                     f"({fp8['step_s']:.3f} s). Whatever its state ops and memory passes cost, GIFT's step cannot come "
+                     "closer to FP8's than that on this CPU at this batch.")
+    lines.append(f"* Per whitened layer its GEMMs and sketch are {units:.0f} d_out d_in r multiply-adds a step, the layer's own "
+                 f"forward and backward 3 x tokens x d_out d_in: {units:.0f} r / (3 x {TOKENS_PER_RANK}) = "
+                 f"{units * rank / (3 * TOKENS_PER_RANK):.0%} of them at r = {rank} and this job's {TOKENS_PER_RANK} tokens per rank. "
+                 "GIFT's arithmetic is the same at any batch; the model's grows with the tokens.")
+    return lines + [""]
+
+
+def report(runs: list[dict], warm: dict[str, float], after_gemm: list, floors: dict[str, list[dict]]) -> str:
     lines = [f"# GIFT's codec, op by op (`python benchmarks/codec_profile.py`)", "",
              f"The main job, 2 ranks on this machine's loopback, each variant one job of {runs[0]['steps'] + WARMUP_STEPS} steps "
              f"(figures over its last {runs[0]['steps']}, rank 0). `median us`: one call's host time (wall; `cpu`: the "
@@ -181,7 +307,10 @@ def report(runs: list[dict], warm: dict[str, float], after_gemm: list) -> str:
             lines.append(f"* {mode}: {run['variant']}'s codec takes {extra:+.1f} ms/step over FP8's (time meter); its gift:: ops "
                          f"{gift_ops_ms(run) - gift_ops_ms(base):+.1f} ms of it, the rest is the compiled codec and the collectives' issue. "
                          f"Step {run['step_s'] / base['step_s'] - 1:+.1%} over FP8's.")
-    lines += ["", "## The two costliest ops alone (one thread; median of 200 calls, microseconds)", "",
+    lines.append("")
+    for mode, rows in floors.items():
+        lines += floor_lines(mode, rows, by.get((mode, "fp8")))
+    lines += ["## The two costliest ops alone (one thread; median of 200 calls, microseconds; the largest whitened layer)", "",
               "| op | warm | " + " | ".join(f"after a GEMM of {label}" for label, _, _ in after_gemm) + " |",
               "|---|---|" + "---|" * len(after_gemm)]
     for name, us in warm.items():
@@ -206,8 +335,10 @@ def main() -> int:
             for variant in args.variants:
                 print(f"{mode}/{variant}: {args.steps} steps ...", flush=True)
                 runs.append(profile(mode, variant, args.steps, Path(tmp)))
+    print("GIFT's arithmetic alone ...", flush=True)
+    floors = {mode: floor(mode) for mode in args.modes}
     print("ops alone ...", flush=True)
-    text = report(runs, *alone())
+    text = report(runs, *alone(), floors)
     print(text)
     (RESULTS / f"{args.results}.md").write_text(text)
     return 0

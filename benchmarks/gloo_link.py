@@ -3,7 +3,7 @@
 The link of ``shaped_link.py`` (two network namespaces, a veth pair, a token bucket on both
 ends), one process per namespace. Each row moves the same bytes per direction several times and
 reports the rate per direction: raw TCP (both directions at once, as a baseline for the link
-itself), gloo's all-reduce, gloo's all-gather in one call, and the same all-gather in pieces
+itself), gloo's all-reduce, gloo's all-gather and all-to-all in one call, and the all-gather in pieces
 (issued one after another, or all at once and then waited). ``shaped_link.py``'s limit divides
 the bytes by the link's rate; this says which collectives can reach it. A table goes to stdout
 and to ``benchmarks/results/gloo_link.md``.
@@ -80,6 +80,7 @@ def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[floa
         numel = int(mib * 2**20) // 4
         own = torch.randn(numel)
         gathered = torch.empty(2 * numel)
+        both_halves, exchanged = torch.randn(2 * numel), torch.empty(2 * numel)
         pieces = own.split(max(1, piece_kib * 1024 // 4))
         piece_outputs = [torch.empty(2 * p.numel()) for p in pieces]
         dist.barrier()
@@ -88,6 +89,8 @@ def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[floa
         # a 2-rank ring all-reduce sends each rank's half twice: the tensor's bytes per direction
         timed("gloo all-reduce", mib, lambda: dist.all_reduce(own))
         timed("gloo all-gather, one call", mib, lambda: dist.all_gather_into_tensor(gathered, own))
+        # the quantized reductions' first phase: each rank keeps one half and sends the other
+        timed("gloo all-to-all, one call", mib, lambda: dist.all_to_all_single(exchanged, both_halves))
 
         def one_by_one():
             for out, piece in zip(piece_outputs, pieces):
@@ -99,6 +102,19 @@ def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[floa
 
         timed(f"gloo all-gather, {piece_kib} KiB pieces one by one", mib, one_by_one)
         timed(f"gloo all-gather, {piece_kib} KiB pieces all issued, then waited", mib, all_at_once)
+        a2a_in = [torch.randn(2 * p.numel()) for p in pieces]
+        a2a_out = [torch.empty(2 * p.numel()) for p in pieces]
+
+        def a2a_at_once():
+            for work in [dist.all_to_all_single(o, i, async_op=True) for o, i in zip(a2a_out, a2a_in)]:
+                work.wait()
+
+        def a2a_one_by_one():
+            for o, i in zip(a2a_out, a2a_in):
+                dist.all_to_all_single(o, i)
+
+        timed(f"gloo all-to-all, {piece_kib} KiB pieces one by one", mib, a2a_one_by_one)
+        timed(f"gloo all-to-all, {piece_kib} KiB pieces all issued, then waited", mib, a2a_at_once)
     dist.destroy_process_group()
     return rows
 

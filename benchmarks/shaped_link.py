@@ -54,6 +54,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 JOB = ROOT / "examples" / "llama3_debug_cpu.toml"
 SUBNET = "10.77.{}.{}"
+LOCAL_BATCH = 2
+"""Sequences per rank and step in the job (``examples/llama3_debug_cpu.toml``); ``--local-batch-size`` changes it."""
+SEQ_LEN = 256
+RANKS = 2
+
+
+def tokens_per_step(local_batch: int) -> int:
+    """Tokens of one step over both ranks."""
+    return RANKS * local_batch * SEQ_LEN
 
 MODES = {
     "replicate": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
@@ -75,6 +84,8 @@ VARIANTS = {
 # cpu_support.cpu_disabled_graph_passes() plus cpu_support.FSDP_BUCKETING_PASS.)
 UNBUCKETED = ["--compile.disable_passes", "selective_activation_remat_pass,joint_transformer_block_bucketing_reordering_pass"]
 VARIANTS.update({f"{name}_unbucketed": [*VARIANTS[name], *UNBUCKETED] for name in ("fp32", "fp8", "gift")})
+# each quantized message in one gloo call, as before passes/pieces.py
+VARIANTS.update({f"{name}_whole": [*VARIANTS[name], "--gift.wire_piece_kib", "0"] for name in ("fp8", "gift")})
 VARIANTS["gift_bf16_stats"] = [*VARIANTS["gift"], "--gift.stats_dtype", "bf16"]
 VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", "bf16"]
 # GIFT with a part switched off, to see what each costs: no per-step statistics (the sketch, its
@@ -297,9 +308,10 @@ class Result:
     """Runs of this cell whose job failed before the one measured (both nodes' logs kept in ``CRASH_LOGS``)."""
 
 
-def launcher(job: Path, dump: Path, steps: int, extra: list[str]) -> list[str]:
+def launcher(job: Path, dump: Path, steps: int, extra: list[str], local_batch: int = LOCAL_BATCH) -> list[str]:
     return [sys.executable, "-m", "gift_compile.titan_integration.launcher", str(job), "--dump_folder", str(dump),
-            "--training.steps", str(steps), "--metrics.log_freq", "1", "--debug.seed", "0", *extra]
+            "--training.steps", str(steps), "--training.local_batch_size", str(local_batch), "--metrics.log_freq", "1",
+            "--debug.seed", "0", *extra]
 
 
 def records(dump: Path) -> list[dict]:
@@ -338,7 +350,8 @@ class CellFailed(RuntimeError):
     """A cell's job failed; the message names the file holding both nodes' whole logs."""
 
 
-def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Path, port: int) -> tuple[float, float, list, float, tuple]:
+def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Path, port: int,
+             local_batch: int = LOCAL_BATCH) -> tuple[float, float, list, float, tuple]:
     dump = workdir / f"{mode}-{variant}-{port}"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONUNBUFFERED="1")
     before = link.tx_bytes(0) + link.tx_bytes(1)
@@ -346,7 +359,7 @@ def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Pat
     for side in (0, 1):
         flags = ["--nnodes", "2", "--node-rank", str(side), "--master-addr", link.addresses[0], "--master-port", str(port),
                  "--nproc", "1", *MODES[mode], *VARIANTS[variant]]
-        procs.append(subprocess.Popen(link.command(side, launcher(JOB, dump, steps, flags)), env={**env, "GLOO_SOCKET_IFNAME": link.devices[side]},
+        procs.append(subprocess.Popen(link.command(side, launcher(JOB, dump, steps, flags, local_batch)), env={**env, "GLOO_SOCKET_IFNAME": link.devices[side]},
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -359,11 +372,11 @@ def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Pat
     return step_s, spread, curve, carried / 2 / steps, meter(records(dump), warmup=2)
 
 
-def compute_only(steps: int, workdir: Path) -> float:
+def compute_only(steps: int, workdir: Path, local_batch: int = LOCAL_BATCH) -> float:
     """Per-step time of one rank with the same per-rank batch and no communication."""
     dump = workdir / "compute"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
-    subprocess.run(launcher(JOB, dump, steps, ["--nproc", "1", "--gift.no-enabled"]), env=env, check=True, capture_output=True)
+    subprocess.run(launcher(JOB, dump, steps, ["--nproc", "1", "--gift.no-enabled"], local_batch), env=env, check=True, capture_output=True)
     return timing(records(dump), warmup=2)[0]
 
 
@@ -523,6 +536,9 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["replicate", "fsdp"])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 are compile warm-up, not timed)")
+    parser.add_argument("--local-batch-size", type=int, default=LOCAL_BATCH,
+                        help=f"sequences of {SEQ_LEN} tokens per rank and step (default {LOCAL_BATCH}, the job's): GIFT's codec "
+                             "costs the same per step at any batch, the compute grows with it")
     parser.add_argument("--render", type=Path, help="re-render the table and plots from a saved shaped_link.json")
     parser.add_argument("--results", default="shaped_link",
                         help="stem of the result files in benchmarks/results (default: shaped_link; --merge adds to it)")
@@ -533,6 +549,11 @@ def main() -> int:
     if args.render:
         render(json.loads(args.render.read_text()), args.render.stem)
         return 0
+    saved = RESULTS / f"{args.results}.json"
+    try:
+        previous = table_to_merge(saved, args.local_batch_size) if args.merge else None
+    except ValueError as error:
+        parser.error(str(error))
     missing = missing_requirements()
     if missing:
         print("shaped_link.py cannot run here; it needs:\n  - " + "\n  - ".join(missing), file=sys.stderr)
@@ -540,8 +561,6 @@ def main() -> int:
     results: list[Result] = []
     raw: dict = {}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    saved = RESULTS / f"{args.results}.json"
-    previous = json.loads(saved.read_text()) if args.merge and saved.exists() else None
     round_trips: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         links: dict[float | None, ShapedLink] = {None: stack.enter_context(ShapedLink())}  # one-way delay (None: veth) -> link
@@ -554,7 +573,7 @@ def main() -> int:
             return links[one_way]
 
         workdir = Path(tmp)
-        compute_s = compute_only(args.steps, workdir)
+        compute_s = compute_only(args.steps, workdir, args.local_batch_size)
         print(f"compute alone: {compute_s:.2f} s/step", flush=True)
         port = 29700
         for rate in args.rates:
@@ -569,19 +588,20 @@ def main() -> int:
                     for attempt in range(ATTEMPTS):
                         port += 1
                         try:
-                            step_s, spread, curve, per_step, (codec_s, wait_s, calls) = run_pair(link, mode, variant, args.steps, workdir, port)
+                            step_s, spread, curve, per_step, (codec_s, wait_s, calls) = run_pair(link, mode, variant, args.steps, workdir, port, args.local_batch_size)
                             break
                         except CellFailed as failure:
                             if attempt + 1 == ATTEMPTS:
                                 raise
                             print(f"  {mode:9s} {rate:>8s} {variant:5s}: {failure}; running it again", flush=True)
-                    tokens = 2 * 2 * 256  # 2 ranks x local batch 2 x 256 tokens (examples/llama3_debug_cpu.toml)
+                    tokens = tokens_per_step(args.local_batch_size)
                     results.append(Result(mode, variant, rate, step_s, spread, tokens / step_s, per_step, curve, codec_s, wait_s, calls,
                                           retried=attempt))
                     print(f"  {mode:9s} {rate:>8s} {variant:5s}: {step_s:.2f} s/step, {tokens / step_s:.0f} tokens/s, "
                           f"{per_step / 2**20:.1f} MiB/step/direction ({time.time() - started:.0f} s)", flush=True)
                     # saved after every run: a crash or Ctrl-C keeps what was measured
-                    raw = {"compute_s": compute_s, "round_trip_ms": round_trips, "results": [dataclasses.asdict(r) for r in results]}
+                    raw = {"compute_s": compute_s, "local_batch_size": args.local_batch_size, "round_trip_ms": round_trips,
+                           "results": [dataclasses.asdict(r) for r in results]}
                     raw = merged(previous, raw) if previous else raw
                     saved.write_text(json.dumps(raw))
     if raw:
@@ -589,18 +609,32 @@ def main() -> int:
     return 0
 
 
+def table_to_merge(saved: Path, local_batch: int) -> dict | None:
+    """The saved table ``--merge`` adds to (None: there is none yet). Its cells and limits hold for
+    one per-rank batch (tables saved before ``--local-batch-size`` existed ran the job's), so a
+    run with another batch is refused: ``ValueError``."""
+    if not saved.exists():
+        return None
+    previous = json.loads(saved.read_text())
+    measured = previous.get("local_batch_size", LOCAL_BATCH)
+    if measured != local_batch:
+        raise ValueError(f"--merge: {saved} was measured with --local-batch-size {measured}, this run asks for {local_batch}; "
+                         "one table holds one batch (name another with --results)")
+    return previous
+
+
 def merged(old: dict, new: dict) -> dict:
     """``new``'s cells added to ``old``'s; a cell measured in both keeps ``new``'s figures. The
     compute-only time is ``old``'s, so that every limit in one table uses one baseline."""
     key = lambda r: (r["mode"], r["rate"], r["variant"])
     fresh = {key(r) for r in new["results"]}
-    return {"compute_s": old["compute_s"], "round_trip_ms": {**old.get("round_trip_ms", {}), **new["round_trip_ms"]},
+    return {"compute_s": old["compute_s"], "local_batch_size": new["local_batch_size"], "round_trip_ms": {**old.get("round_trip_ms", {}), **new["round_trip_ms"]},
             "results": [r for r in old["results"] if key(r) not in fresh] + new["results"]}
 
 
 def render(raw: dict, stem: str = "shaped_link") -> None:
     results = [Result(**r) for r in raw["results"]]
-    text = report(results, raw["compute_s"], 2 * 2 * 256, raw.get("round_trip_ms", {}))
+    text = report(results, raw["compute_s"], tokens_per_step(raw.get("local_batch_size", LOCAL_BATCH)), raw.get("round_trip_ms", {}))
     print("\n" + text)
     (RESULTS / f"{stem}.md").write_text("# Training over a shaped link (`sudo python benchmarks/shaped_link.py`)\n\n" + text + "\n")
     plot(results, RESULTS / f"{stem}.png")
