@@ -3,7 +3,7 @@
 The link of ``shaped_link.py`` (two network namespaces, a veth pair, a token bucket on both
 ends), one process per namespace. Each row moves the same bytes per direction several times and
 reports the rate per direction: raw TCP (both directions at once, as a baseline for the link
-itself), gloo's all-reduce, gloo's all-gather and all-to-all in one call, and the all-gather in pieces
+itself), gloo's all-reduce, gloo's all-gather and all-to-all in one call, and both in pieces
 (issued one after another, or all at once and then waited). ``shaped_link.py``'s limit divides
 the bytes by the link's rate; this says which collectives can reach it. A table goes to stdout
 and to ``benchmarks/results/gloo_link.md``.

@@ -41,26 +41,42 @@ def _split_and_compare(rank: int, world: int) -> dict:
     overlap_gradient_collectives(split.graph)
     split.recompile()
     calls = collectives_of(split.graph)
-    untouched = _exchange_graph(a2a_message, gather_message, group_name)
+    one_call_each = {}
+    for piece_bytes in (1000, 0):  # no message is larger than a piece; no limit
+        gm = _exchange_graph(a2a_message, gather_message, group_name)
+        one_call_each[piece_bytes] = (send_in_pieces(gm.graph, piece_bytes), _names(collectives_of(gm.graph)))
+        gm.recompile()
+        one_call_each[piece_bytes] += (_same(whole, gm, a2a_message, gather_message),)
     return {
         "added": added,
-        "calls": [c.target.__name__ for c in calls],
+        "calls": _names(calls),
         "later_pieces_point_to_their_first": [c.meta.get(PIECE_OF) is not None for c in calls],
-        "same_bytes": all(torch.equal(a, b) for a, b in zip(whole(a2a_message, gather_message), split(a2a_message, gather_message))),
-        "large_pieces_leave_it": send_in_pieces(untouched.graph, 1000),  # no message is larger than a piece
-        "zero_leaves_it": send_in_pieces(untouched.graph, 0),
+        "same_bytes": _same(whole, split, a2a_message, gather_message),
+        "one_call_each": one_call_each,
     }
+
+
+def _names(calls: list[fx.Node]) -> list[str]:
+    return [c.target.__name__ for c in calls]
+
+
+def _same(a: fx.GraphModule, b: fx.GraphModule, *inputs: torch.Tensor) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a(*inputs), b(*inputs)))
 
 
 def test_large_messages_travel_in_pieces_that_deliver_the_same_bytes():
     for result in run_on_ranks(_split_and_compare, 2):
         # 1,000 bytes per destination at 400 a piece: 3 all_to_all calls (334, 333, 333 bytes);
-        # the 600-byte all_gather: 2 calls. Every rank gets bit for bit what the one call gave.
+        # the 600-byte all_gather: 2 calls, sent as all_to_alls (gloo's unlocked op name, module
+        # docstring). Every rank gets bit for bit what the one call gave.
         assert result["added"] == 2 + 1
-        assert result["calls"] == ["all_to_all_single.default"] * 3 + ["all_gather_into_tensor.default"] * 2
+        assert result["calls"] == ["all_to_all_single.default"] * 5
         assert result["later_pieces_point_to_their_first"] == [False, True, True, False, True]
         assert result["same_bytes"]
-        assert result["large_pieces_leave_it"] == 0 and result["zero_leaves_it"] == 0
+        # With pieces as large as the messages, or no limit, each message is one call; the
+        # all_gather still travels as an all_to_all, with the same bytes.
+        for added, calls, same in result["one_call_each"].values():
+            assert (added, calls, same) == (0, ["all_to_all_single.default"] * 2, True)
 
 
 def _pieces_are_one_collective_for_the_scheduler(rank: int, world: int) -> list[str]:
