@@ -156,9 +156,9 @@ class GiftConfig:
 
     wire_piece_kib: int = 128
     """gloo only: a quantized gradient message larger than this per destination (KiB) travels in
-    pieces of at most this size, several ``all_to_all`` / ``all_gather`` calls instead of one,
-    because gloo moves one large call at a fraction of a slow link's rate and pieces at nearly all
-    of it (``passes/pieces.py``). 0 sends each message in one call. Graph routes."""
+    pieces of at most this size, several ``all_to_all`` calls instead of one, because gloo moves
+    one large call at a fraction of a slow link's rate and pieces at nearly all of it
+    (``passes/pieces.py``). 0 sends each message in one call. Graph routes."""
 
     bucket: bool = True
     """Graph routes: send the quantized gradients of the Linear layers of one child module of a

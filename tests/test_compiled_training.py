@@ -231,8 +231,9 @@ def test_bucketed_blocks_deliver_the_same_gradients_in_fewer_collectives(tmp_pat
 def test_messages_sent_in_pieces_deliver_the_same_gradients(tmp_path, ranks):
     # Blocks of 64 -> 128 -> 64: each block's bucket carries fc1's and fc2's 8,192 FP8 codes, so
     # 8 KiB and a few scale bytes per destination in its all_to_all and per rank in its
-    # all_gather. With wire_piece_kib = 4 each goes in 3 calls (passes/pieces.py): 4 more per
-    # block. The gradients are those of one call per message, bit for bit, at every step.
+    # all-gather (an all_to_all on gloo either way). With wire_piece_kib = 4 each goes in 3 calls
+    # (passes/pieces.py): 4 more per block. The gradients are those of one call per message, bit
+    # for bit, at every step (tests/test_pieces.py compares the all-gather with gloo's own).
     blocks = 3
     results = ranks(2).run(stacked_steps, str(tmp_path), ("fc2",), "wire_piece_kib", (4, 0),
                            functools.partial(MLPBlock, 64, 128), blocks)

@@ -1,5 +1,6 @@
-"""Send large gradient messages over gloo in pieces: several ``all_to_all`` (or ``all_gather``)
-calls of at most ``wire_piece_kib`` per destination instead of one.
+"""Send gradient messages over gloo as ``all_to_all`` calls of at most ``wire_piece_kib`` per
+destination: a large message in several pieces instead of one call, an ``all_gather`` as an
+``all_to_all``.
 
 Gloo moves one large ``all_to_all`` or ``all_gather`` at a fraction of a slow link's rate, and
 the same bytes in pieces at nearly all of it (``benchmarks/gloo_link.py`` on the shaped link of
@@ -52,6 +53,7 @@ c10d = torch.ops._c10d_functional
 
 ALL_TO_ALL = c10d.all_to_all_single.default
 ALL_GATHER = c10d.all_gather_into_tensor.default
+
 
 def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
     """On gloo groups, split every marked gradient ``all_to_all`` / ``all_gather`` whose message per
