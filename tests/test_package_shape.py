@@ -18,7 +18,7 @@ LAYERS = [
     {"layer_step"},
     {"ops", "fsdp", "replicate"},
     {"passes.graph_utils", "passes.overlap"},
-    {"passes.time_meter", "passes.bucketing"},
+    {"passes.time_meter", "passes.bucketing", "passes.pieces"},
     {"passes.gift_collectives"},
     {"passes.compiled_autograd"},
     {"backend", "reference"},

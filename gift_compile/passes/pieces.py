@@ -32,7 +32,7 @@ after it is freed: glibc then aborts the rank in an unrelated allocation ("mallo
 tcache chunk detected"). With the all-gathers in pieces and every piece issued at once, the main
 job died within 40-100 steps in each of 3 runs on loopback, against 0 of 3 runs of 90 steps
 with one call per message; an ``all_to_all`` finishes as a short name, with nothing on the heap
-(docs/design.md §10).
+(docs/design.md §10; ``benchmarks/gloo_race.py`` reproduces it without the job).
 """
 
 from __future__ import annotations
