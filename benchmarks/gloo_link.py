@@ -159,11 +159,15 @@ def main() -> int:
     if any(p.returncode for p in procs):
         print("\n".join(err[-3000:] for _, err in outputs), file=sys.stderr)
         return 1
-    text = table(json.loads(outputs[0][0].strip().splitlines()[-1]), args.rate)
+    publish(table(json.loads(outputs[0][0].strip().splitlines()[-1]), args.rate), args.results)
+    return 0
+
+
+def publish(text: str, stem: str) -> None:
+    """Print a result table and write it to ``benchmarks/results/<stem>.md``."""
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.results}.md").write_text(text)
-    return 0
+    (RESULTS / f"{stem}.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from gloo_link import publish
+
+from gift_compile.testing.ranks import free_port
+
 VARIANTS = {
     "all_gather": "all_gather_into_tensor only (finishes as ALLGATHER_COALESCED)",
     "mixed": "all_to_all_single and all_gather_into_tensor alternating (the all-reduce route's two phases)",
@@ -54,18 +55,12 @@ def worker(rank: int, port: int, variant: str, rounds: int, in_flight: int, kib:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(variant: str, rounds: int, in_flight: int, kib: int) -> tuple[str, float]:
     """One run of ``variant`` on 2 fresh processes: how it ended, and its seconds."""
     port, start = free_port(), time.perf_counter()
     command = [sys.executable, __file__, "--worker", variant, str(port), "--rounds", str(rounds), "--in-flight", str(in_flight),
                "--kib", str(kib)]
-    procs = [subprocess.Popen([*command, str(rank)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    procs = [subprocess.Popen([*command, str(rank)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in (0, 1)]
     codes = [p.wait(timeout=600) for p in procs]
     seconds = time.perf_counter() - start
@@ -101,10 +96,7 @@ def main() -> int:
         others = "; ".join(sorted({end for end, _ in ends if end != "finished"})) or "-"
         lines.append(f"| {VARIANTS[variant]} | {finished} of {args.runs} | {others} | "
                      f"{', '.join(f'{s:.1f}' for _, s in ends)} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.results}.md").write_text(text)
+    publish("\n".join(lines) + "\n", args.results)
     return 0
 
 
