@@ -32,6 +32,7 @@ VARIANTS = {
     "all_gather": "all_gather_into_tensor only (finishes as ALLGATHER_COALESCED)",
     "mixed": "all_to_all_single and all_gather_into_tensor alternating (the all-reduce route's two phases)",
     "all_to_all": "all_to_all_single only (finishes as ALLTOALL_BASE)",
+    "all_gather_out": "all_gather_into_tensor_out only (into a buffer of the caller's)",
 }
 
 
@@ -47,9 +48,12 @@ def worker(rank: int, port: int, variant: str, rounds: int, in_flight: int, kib:
     for _ in range(rounds):
         sent = []
         for i in range(in_flight):
-            gather = variant == "all_gather" or (variant == "mixed" and i % 2)
-            sent.append(c10d.all_gather_into_tensor(message, 2, group) if gather
-                        else c10d.all_to_all_single(message, [half, half], [half, half], group))
+            if variant == "all_gather_out":
+                sent.append(c10d.all_gather_into_tensor_out(message, 2, group, out=torch.empty(2 * message.numel(), dtype=message.dtype)))
+            elif variant == "all_gather" or (variant == "mixed" and i % 2):
+                sent.append(c10d.all_gather_into_tensor(message, 2, group))
+            else:
+                sent.append(c10d.all_to_all_single(message, [half, half], [half, half], group))
         for s in sent:
             c10d.wait_tensor(s)
     dist.destroy_process_group()
