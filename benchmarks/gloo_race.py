@@ -33,6 +33,7 @@ VARIANTS = {
     "mixed": "all_to_all_single and all_gather_into_tensor alternating (the all-reduce route's two phases)",
     "all_to_all": "all_to_all_single only (finishes as ALLTOALL_BASE)",
     "all_gather_out": "all_gather_into_tensor_out only (into a buffer of the caller's)",
+    "reduce_scatter": "reduce_scatter_tensor only (torchtitan's norm-weight gradients in FSDP mode)",
 }
 
 
@@ -50,6 +51,8 @@ def worker(rank: int, port: int, variant: str, rounds: int, in_flight: int, kib:
         for i in range(in_flight):
             if variant == "all_gather_out":
                 sent.append(c10d.all_gather_into_tensor_out(message, 2, group, out=torch.empty(2 * message.numel(), dtype=message.dtype)))
+            elif variant == "reduce_scatter":
+                sent.append(c10d.reduce_scatter_tensor(message, "sum", 2, group))
             elif variant == "all_gather" or (variant == "mixed" and i % 2):
                 sent.append(c10d.all_gather_into_tensor(message, 2, group))
             else:
