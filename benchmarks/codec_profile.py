@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from common import median_seconds
-from shaped_link import JOB, MODES, RESULTS, VARIANTS, launcher, meter, records, timing
+from shaped_link import JOB, LOCAL_BATCH, MODES, RESULTS, SEQ_LEN, VARIANTS, launcher, meter, records, timing
 
 WARMUP_STEPS = 10
 """Steps left out of every figure: the first compiles, and the meter's first readings start its windows."""
@@ -120,8 +120,8 @@ def profile(mode: str, variant: str, steps: int, workdir: Path) -> dict:
     return {"mode": mode, "variant": variant, "steps": measured, "step_s": step_s, "codec_s": codec_s, "wait_s": wait_s, "ops": ops}
 
 
-TOKENS_PER_RANK = 512
-"""The job's per-rank batch: 2 sequences of 256 tokens (``examples/llama3_debug_cpu.toml``)."""
+TOKENS_PER_RANK = LOCAL_BATCH * SEQ_LEN
+"""The job's tokens per rank and step (``examples/llama3_debug_cpu.toml``)."""
 
 
 def statistics_ops(d_out: int, d_in: int):

@@ -281,9 +281,11 @@ def disable_incompatible_passes(compile_config) -> list[str]:
 
 
 def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str) -> fx.GraphModule:
-    """The last pass: order the final graph so gradient communication overlaps the backward
-    (``passes/overlap.py``; graph_trainer runs the joint graph as ordered), then put the time
-    meter's ticks in (``timing.py``)."""
+    """The last pass: on gloo, send gradient messages as ``all_to_all`` calls in pieces
+    (``passes/pieces.py``; before the scheduler, which issues a message's pieces together), order
+    the final graph so gradient communication overlaps the backward (``passes/overlap.py``;
+    graph_trainer runs the joint graph as ordered), then put the time meter's ticks in
+    (``timing.py``)."""
     ctx = get_pass_context(namespace)
     pieces = send_in_pieces(gm.graph, ctx.config.wire_piece_kib * 1024)
     if pieces:
