@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -57,10 +58,18 @@ def tcp_duplex(rank: int, address: str, port: int, nbytes: int) -> float:
     return elapsed
 
 
-def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[float], piece_kib: int) -> list[dict]:
-    """Both ranks run this; rank 0 returns the rows (``op``, ``mib``: per direction, ``mbit_s``)."""
-    import os
+def busy_cpu_s() -> float:
+    """Seconds of CPU the whole machine has spent not idle since boot (``/proc/stat``: user,
+    nice, system, irq, softirq, steal): both ranks, their gloo threads and the kernel's network
+    stack, which all run on this machine."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
+
+def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[float], piece_kib: int) -> list[dict]:
+    """Both ranks run this; rank 0 returns the rows (``op``, ``mib``: per direction, ``mbit_s``,
+    ``cpu_ms_per_mib``)."""
     import torch
     import torch.distributed as dist
 
@@ -71,10 +80,13 @@ def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[floa
     def timed(op: str, mib: float, run) -> None:
         run()  # untimed: connections and buffers warm
         dist.barrier()
-        start = time.perf_counter()
+        start, busy = time.perf_counter(), busy_cpu_s()
         for _ in range(REPEATS):
             run()
-        rows.append({"op": op, "mib": mib, "mbit_s": REPEATS * mib * 2**20 * 8 / (time.perf_counter() - start) / 1e6})
+        elapsed = time.perf_counter() - start
+        dist.barrier()  # both ranks done: the CPU of both and of the kernel's network stack
+        rows.append({"op": op, "mib": mib, "mbit_s": REPEATS * mib * 2**20 * 8 / elapsed / 1e6,
+                     "cpu_ms_per_mib": (busy_cpu_s() - busy) * 1e3 / (REPEATS * mib)})
 
     for mib in sizes_mib:
         numel = int(mib * 2**20) // 4
@@ -84,8 +96,11 @@ def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[floa
         pieces = own.split(max(1, piece_kib * 1024 // 4))
         piece_outputs = [torch.empty(2 * p.numel()) for p in pieces]
         dist.barrier()
+        busy = busy_cpu_s()
         elapsed = tcp_duplex(rank, address, port + 1, int(mib * 2**20))
-        rows.append({"op": "raw TCP, both directions at once", "mib": mib, "mbit_s": mib * 2**20 * 8 / elapsed / 1e6})
+        dist.barrier()
+        rows.append({"op": "raw TCP, both directions at once", "mib": mib, "mbit_s": mib * 2**20 * 8 / elapsed / 1e6,
+                     "cpu_ms_per_mib": (busy_cpu_s() - busy) * 1e3 / mib})
         # a 2-rank ring all-reduce sends each rank's half twice: the tensor's bytes per direction
         timed("gloo all-reduce", mib, lambda: dist.all_reduce(own))
         timed("gloo all-gather, one call", mib, lambda: dist.all_gather_into_tensor(gathered, own))
@@ -122,11 +137,13 @@ def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[floa
 def table(rows: list[dict], rate: float | None) -> str:
     link = f"{rate:g} Mbit/s" if rate else "unshaped"
     lines = [f"# What gloo moves over the shaped link ({link}; `sudo python benchmarks/gloo_link.py`)", "",
-             f"Each row: the mean rate per direction over {REPEATS} transfers after one untimed; 2 ranks, one per network namespace.", "",
-             "| MiB per direction | op | Mbit/s per direction | of raw TCP |", "|---|---|---|---|"]
+             f"Each row: the mean rate per direction over {REPEATS} transfers after one untimed; 2 ranks, one per network namespace. "
+             "'CPU ms per MiB': the machine's busy CPU time (both ranks, gloo's threads and the kernel's network stack; `/proc/stat`) "
+             "over the transfers, per MiB carried in each direction: what moving the bytes costs the cores that also compute.", "",
+             "| MiB per direction | op | Mbit/s per direction | of raw TCP | CPU ms per MiB |", "|---|---|---|---|---|"]
     for row in rows:
         raw = next(r["mbit_s"] for r in rows if r["mib"] == row["mib"] and r["op"].startswith("raw TCP"))
-        lines.append(f"| {row['mib']:g} | {row['op']} | {row['mbit_s']:.0f} | {row['mbit_s'] / raw:.2f} |")
+        lines.append(f"| {row['mib']:g} | {row['op']} | {row['mbit_s']:.0f} | {row['mbit_s'] / raw:.2f} | {row['cpu_ms_per_mib']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,7 @@ without taking the group's lock. A name of up to 15 characters stays inside the 
 a longer one (a functional ``all_gather_into_tensor`` finishes as ``ALLGATHER_COALESCED``) is
 kept on the heap, so two collectives finishing together can free it twice or write into it
 after it is freed, and glibc aborts the process later ("malloc(): unaligned tcache chunk
-detected"). ``passes/pieces.py`` therefore sends GIFT's gradient all-gathers as ``all_to_all``
+detected"). ``collectives.all_gather`` therefore sends GIFT's all-gathers as ``all_to_all``
 calls on gloo (docs/design.md §10).
 
 This plays that pattern without the rest of the job: 2 ranks on loopback issue rounds of
@@ -67,14 +67,18 @@ def run(variant: str, rounds: int, in_flight: int, kib: int) -> tuple[str, float
     port, start = free_port(), time.perf_counter()
     command = [sys.executable, __file__, "--worker", variant, str(port), "--rounds", str(rounds), "--in-flight", str(in_flight),
                "--kib", str(kib)]
-    procs = [subprocess.Popen([*command, str(rank)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    procs = [subprocess.Popen([*command, str(rank)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, OMP_NUM_THREADS="1")) for rank in (0, 1)]
-    codes = [p.wait(timeout=600) for p in procs]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    codes = [p.returncode for p in procs]
     seconds = time.perf_counter() - start
     signals = [signal.Signals(-c).name for c in codes if c < 0]
     if signals:
         return "killed by " + ", ".join(signals), seconds
-    return ("finished" if not any(codes) else f"exit {max(codes)} (the peer died)"), seconds
+    if any(codes):  # a Python error (the peer's death, or a setup problem): its last line says which
+        last = next((e.strip().splitlines()[-1] for e, c in zip(errors, codes) if c and e.strip()), "no message")
+        return f"exit {max(codes)}: {last}", seconds
+    return "finished", seconds
 
 
 def main() -> int:

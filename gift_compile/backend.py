@@ -30,6 +30,7 @@ import hashlib
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -93,7 +94,10 @@ class GiftGraphPass(CustomGraphPass):
 
     def uuid(self) -> bytes:
         digest = hashlib.sha256(get_hash_for_files(_PASS_FILES))
-        digest.update(repr((self.config, self.namespace, self.linears, sorted(self.selected), self.output_weights)).encode())
+        # the collectives the pass traces depend on the backend (on gloo: all-gathers as
+        # all_to_alls, messages in pieces), so a graph compiled for one must not replay on another
+        backend = dist.get_backend() if dist.is_initialized() else None
+        digest.update(repr((self.config, self.namespace, self.linears, sorted(self.selected), self.output_weights, backend)).encode())
         return digest.hexdigest().encode()
 
 

@@ -128,8 +128,26 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every rank's ``x`` stacked along dim 0; waited."""
-    return received(c10d.all_gather_into_tensor(x, _world(group), group.group_name))
+    """Every rank's ``x`` stacked along dim 0; waited. On gloo it travels as an ``all_to_all``
+    that sends ``x`` to every rank: the same bytes on the wire and in the result, without the
+    race below."""
+    world = _world(group)
+    if dist.get_backend(group) == "gloo":
+        to_everyone = x.reshape(1, -1).expand(world, -1).reshape(-1)
+        return all_to_all(to_everyone, group).reshape(world * x.shape[0], *x.shape[1:])
+    return received(c10d.all_gather_into_tensor(x, world, group.group_name))
+
+
+# torch 2.13's ``ProcessGroupGloo`` worker threads (two per group) each write the name of the
+# collective they just finished into one shared ``std::string`` without a lock. Names of up to
+# 15 characters stay inside the string object; a functional ``all_gather_into_tensor`` finishes
+# as ``ALLGATHER_COALESCED`` (19), which the string keeps on the heap, so two collectives
+# finishing at once can free that buffer twice or write into it after it is freed: glibc then
+# aborts the rank in an unrelated allocation ("malloc(): unaligned tcache chunk detected").
+# With the graph routes' messages in pieces (``passes/pieces.py``), all issued at once, the main
+# job died within 40-100 steps in each of 3 runs on loopback, against 0 of 3 runs of 90 steps
+# with one call per message; an ``all_to_all`` finishes as a short name, with nothing on the
+# heap (docs/design.md §10; ``benchmarks/gloo_race.py`` reproduces it without the job).
 
 
 def _reduce_scatter_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

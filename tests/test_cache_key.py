@@ -49,3 +49,24 @@ def test_every_module_that_reaches_a_graph_is_in_the_cache_key(ranks):
     # is itself part of the cache key); the pass's own modules must be in the pass's key.
     assert {PACKAGE / "layer_step.py", PACKAGE / "ops.py", PACKAGE / "comm.py", PACKAGE / "runtime.py"} <= ran
     assert ran - hashed <= {PACKAGE / "replicate.py"}, sorted(str(p.relative_to(PACKAGE)) for p in ran - hashed)
+
+
+def test_the_cache_key_names_the_process_group_backend(tmp_path):
+    # On gloo the pass traces all-gathers as all_to_alls and splits large messages
+    # (collectives.all_gather, passes/pieces.py): a graph compiled under one backend must not be
+    # replayed under another, so the same pass has another key on each.
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from gift_compile.backend import GiftGraphPass
+
+    graph_pass = GiftGraphPass(GiftConfig(layers=("fc2",)), "cache_key_backend", ("fc1", "fc2"), frozenset({"fc2"}))
+    keys = {}
+    for backend, store in (("gloo", dist.FileStore(str(tmp_path / "store"), 1)), ("fake", FakeStore())):
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        try:
+            keys[backend] = (graph_pass.uuid(), graph_pass.uuid())
+        finally:
+            dist.destroy_process_group()
+    assert keys["gloo"][0] == keys["gloo"][1] and keys["fake"][0] == keys["fake"][1]  # stable
+    assert keys["gloo"][0] != keys["fake"][0]

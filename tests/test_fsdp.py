@@ -468,8 +468,9 @@ def test_a_bucketed_fsdp_block_sends_the_same_gradients_in_three_collectives(ran
 def test_a_bucketed_hsdp_block_sends_the_same_gradients_in_six_collectives(ranks):
     # HSDP (2 replicas x 2 shards): after the shard group's three collectives, the replicate
     # all-reduce hook reduces each shard across the replicas: quantized, an all_to_all and then
-    # the owners' all-gather per matrix; the norm weights an fp32 all-reduce. Bucketed, each
-    # phase sends the whole block in one call, with bit-identical shards over 3 steps.
+    # the owners' all-gather per matrix (on gloo an all_to_all too: collectives.all_gather); the
+    # norm weights an fp32 all-reduce. Bucketed, each phase sends the whole block in one call,
+    # with bit-identical shards over 3 steps.
     for (bucketed, calls, shapes), (alone, calls_alone, _) in zip(ranks(4).run(fsdp_block_bucketed_or_not, True, 2),
                                                                   ranks(4).run(fsdp_block_bucketed_or_not, False, 2)):
         for step, (got, want) in enumerate(zip(bucketed, alone)):
@@ -479,7 +480,6 @@ def test_a_bucketed_hsdp_block_sends_the_same_gradients_in_six_collectives(ranks
         vectors = len(shapes) - matrices
         whitened = 4  # a gradient sketch each, summed over the shard group
         for step in range(len(calls)):
-            assert calls_alone[step] == {"all_to_all_single": 2 * matrices, "reduce_scatter_tensor": vectors,
-                                         "all_gather_into_tensor": matrices, "all_reduce": whitened + vectors}
-            assert calls[step] == {"all_to_all_single": 2, "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1,
-                                   "all_reduce": 2}
+            assert calls_alone[step] == {"all_to_all_single": 3 * matrices, "reduce_scatter_tensor": vectors,
+                                         "all_reduce": whitened + vectors}
+            assert calls[step] == {"all_to_all_single": 3, "reduce_scatter_tensor": 1, "all_reduce": 2}

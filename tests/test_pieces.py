@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from gift_compile import collectives
 from gift_compile.passes.overlap import PIECE_OF, collectives_of, mark_gradient_collectives, overlap_gradient_collectives
 from gift_compile.passes.pieces import send_in_pieces
 from gift_compile.testing.ranks import run_on_ranks
@@ -14,15 +15,13 @@ from gift_compile.testing.ranks import run_on_ranks
 c10d = torch.ops._c10d_functional
 
 
-def _exchange_graph(a2a_message: torch.Tensor, gather_message: torch.Tensor, group_name: str) -> fx.GraphModule:
-    """A quantized reduction's two phases as the GIFT pass leaves them: an ``all_to_all`` of equal
-    chunks and an ``all_gather``, each waited on once, both marked as gradient collectives."""
+def _exchange_graph(a2a_message: torch.Tensor, gather_message: torch.Tensor) -> fx.GraphModule:
+    """A quantized all-reduce's two phases as the GIFT pass traces them (``collectives.py``): an
+    ``all_to_all`` of equal chunks and an all-gather, each waited on once, both marked as
+    gradient collectives."""
 
     def exchange(a2a_in, gather_in):
-        split = [a2a_in.numel() // 2] * 2
-        exchanged = c10d.wait_tensor(c10d.all_to_all_single(a2a_in, split, split, group_name))
-        gathered = c10d.wait_tensor(c10d.all_gather_into_tensor(gather_in, 2, group_name))
-        return exchanged, gathered
+        return collectives.all_to_all(a2a_in, dist.group.WORLD), collectives.all_gather(gather_in, dist.group.WORLD)
 
     gm = make_fx(exchange)(a2a_message, gather_message)
     mark_gradient_collectives(gm.graph.nodes)
@@ -30,24 +29,27 @@ def _exchange_graph(a2a_message: torch.Tensor, gather_message: torch.Tensor, gro
 
 
 def _split_and_compare(rank: int, world: int) -> dict:
-    group_name = dist.group.WORLD.group_name
     generator = torch.Generator().manual_seed(rank)
     # 1,000 bytes per destination, and a (1, 600) message: each rank's own bytes
     a2a_message = torch.randint(0, 256, (2000,), dtype=torch.uint8, generator=generator)
     gather_message = torch.randint(0, 256, (1, 600), dtype=torch.uint8, generator=generator)
-    whole = _exchange_graph(a2a_message, gather_message, group_name)
-    split = _exchange_graph(a2a_message, gather_message, group_name)
+    gathered_by_gloo = torch.empty(2, 600, dtype=torch.uint8)
+    dist.all_gather_into_tensor(gathered_by_gloo, gather_message)  # gloo's own all-gather, eagerly
+    whole = _exchange_graph(a2a_message, gather_message)
+    split = _exchange_graph(a2a_message, gather_message)
     added = send_in_pieces(split.graph, 400)  # 1,000 bytes in 3 pieces, 600 in 2
     overlap_gradient_collectives(split.graph)
     split.recompile()
     calls = collectives_of(split.graph)
     one_call_each = {}
     for piece_bytes in (1000, 0):  # no message is larger than a piece; no limit
-        gm = _exchange_graph(a2a_message, gather_message, group_name)
+        gm = _exchange_graph(a2a_message, gather_message)
         one_call_each[piece_bytes] = (send_in_pieces(gm.graph, piece_bytes), _names(collectives_of(gm.graph)))
         gm.recompile()
         one_call_each[piece_bytes] += (_same(whole, gm, a2a_message, gather_message),)
     return {
+        "whole_calls": _names(collectives_of(whole.graph)),
+        "gathered_as_gloo_does": torch.equal(whole(a2a_message, gather_message)[1], gathered_by_gloo),
         "added": added,
         "calls": _names(calls),
         "later_pieces_point_to_their_first": [c.meta.get(PIECE_OF) is not None for c in calls],
@@ -66,15 +68,17 @@ def _same(a: fx.GraphModule, b: fx.GraphModule, *inputs: torch.Tensor) -> bool:
 
 def test_large_messages_travel_in_pieces_that_deliver_the_same_bytes():
     for result in run_on_ranks(_split_and_compare, 2):
+        # On gloo the all-gather is an all_to_all (gloo's unlocked op name: collectives.py) that
+        # delivers what gloo's own all-gather does.
+        assert result["whole_calls"] == ["all_to_all_single.default"] * 2
+        assert result["gathered_as_gloo_does"]
         # 1,000 bytes per destination at 400 a piece: 3 all_to_all calls (334, 333, 333 bytes);
-        # the 600-byte all_gather: 2 calls, sent as all_to_alls (gloo's unlocked op name, module
-        # docstring). Every rank gets bit for bit what the one call gave.
+        # the 600-byte all-gather: 2 calls. Every rank gets bit for bit what the one call gave.
         assert result["added"] == 2 + 1
         assert result["calls"] == ["all_to_all_single.default"] * 5
         assert result["later_pieces_point_to_their_first"] == [False, True, True, False, True]
         assert result["same_bytes"]
-        # With pieces as large as the messages, or no limit, each message is one call; the
-        # all_gather still travels as an all_to_all, with the same bytes.
+        # With pieces as large as the messages, or no limit, each message is one call.
         for added, calls, same in result["one_call_each"].values():
             assert (added, calls, same) == (0, ["all_to_all_single.default"] * 2, True)
 

@@ -17,10 +17,10 @@ Chunk ``j`` of every member goes to rank ``j`` in one message, so each member re
 same bytes as alone; an ``all_gather`` concatenates the members' messages and splits what
 comes back per rank. The merged call goes out once the bucket's last member has its message;
 what read a member's result moves after it (a stable topological sort). A member whose message
-is computed from another member's result (a later phase of the same reduction) starts a new
-bucket instead. The fp32 all-reduces the pass leaves as they are (norm weights, biases) are
-merged the same way, one per block: an all-reduce of a concatenation sums each element as
-alone. Which layers share a bucket is ``gift_collectives.bucket_of``: a module, not a
+is computed from another member's result (a later phase of the same reduction) goes in a later
+call, with the same phase of the bucket's other reductions. The fp32 all-reduces the pass leaves
+as they are (norm weights, biases) are merged the same way, one per block: an all-reduce of a
+concatenation sums each element as alone. Which layers share a bucket is ``gift_collectives.bucket_of``: a module, not a
 whole block: a bucket's first gradient waits for its last, and block-wide buckets made FP8's
 step 20% slower on a link without added latency, where module-wide ones cost ~nothing
 (docs/design.md §10).
@@ -84,16 +84,20 @@ def _arguments(node: fx.Node) -> dict:
 
 
 def _independent(members: list[fx.Node]) -> list[list[fx.Node]]:
-    """``members`` in batches none of whose messages depends on another member's result."""
+    """``members`` in batches none of whose messages depends on another member's result: each
+    goes one batch after the last batch holding a member it depends on, so the first phases of a
+    bucket's reductions go together and their second phases together (on gloo both are
+    ``all_to_all`` calls: ``collectives.all_gather``), whatever order the pass left them in."""
     order = {n: i for i, n in enumerate(members[0].graph.nodes)}
-    batches: list[list[fx.Node]] = []
-    cone: set[fx.Node] = set()  # everything the current batch's results flow into
-    for member in sorted(members, key=lambda m: order[m.args[0]]):
-        if not batches or member.args[0] in cone:
-            batches.append([])
-            cone = set()
-        batches[-1].append(member)
-        cone |= descendants(member)
+    batch_of: dict[fx.Node, int] = {}
+    cones: dict[fx.Node, set[fx.Node]] = {}  # what each member's result flows into
+    for member in sorted(members, key=lambda m: order[m.args[0]]):  # a member after those it depends on
+        upstream = [batch_of[other] for other, cone in cones.items() if member.args[0] in cone]
+        batch_of[member] = 1 + max(upstream, default=-1)
+        cones[member] = descendants(member)
+    batches: list[list[fx.Node]] = [[] for _ in range(max(batch_of.values()) + 1)]
+    for member, batch in batch_of.items():
+        batches[batch].append(member)
     return batches
 
 

@@ -1,14 +1,13 @@
-"""Send gradient messages over gloo as ``all_to_all`` calls of at most ``wire_piece_kib`` per
-destination: a large message in several pieces instead of one call, an ``all_gather`` as an
-``all_to_all``.
+"""Send large gradient messages over gloo as ``all_to_all`` calls of at most ``wire_piece_kib``
+per destination: several pieces instead of one call.
 
-Gloo moves one large ``all_to_all`` or ``all_gather`` at a fraction of a slow link's rate, and
-the same bytes in pieces at nearly all of it (``benchmarks/gloo_link.py`` on the shaped link of
+Gloo moves one large ``all_to_all`` at a fraction of a slow link's rate, and the same bytes in
+pieces at nearly all of it (``benchmarks/gloo_link.py`` on the shaped link of
 ``shaped_link.py``, 50 Mbit/s, 1-4 MiB per direction: one all-to-all call 25-26 Mbit/s, in 128
-KiB pieces 43-46; one all-gather call 35-37, in pieces 46-47; an all-reduce, which gloo pipelines
-in segments itself, 45-47; docs/design.md §10). So each marked gradient collective whose
-message per destination is larger than the piece size becomes ``k`` calls on column slices of
-its per-destination rows, and their results are concatenated back::
+KiB pieces 43-46; an all-reduce, which gloo pipelines in segments itself, 45-47; docs/design.md
+§10). So each marked gradient ``all_to_all`` whose message per destination is larger than the
+piece size becomes ``k`` calls on column slices of its per-destination rows, and their results
+are concatenated back::
 
     before:  m = all_to_all(U)                       U: W rows (one per destination) of c bytes
              wait(m)
@@ -19,20 +18,9 @@ Every rank receives the same bytes in the same place as from the one call, so th
 bit-identical. The pieces carry the collective's marks, so the overlap scheduler
 (``passes/overlap.py``) issues them together and holds their waits as one collective's
 (:data:`PIECE_OF`). Only gloo groups are split: NCCL pipelines a large message itself, and more
-calls would only add launches.
-
-On gloo a gradient ``all_gather`` (the all-reduce route's second phase) also goes as an
-``all_to_all`` that sends the sender's part to every destination: the same bytes on the wire
-and in every rank's result. torch 2.13's ``ProcessGroupGloo`` worker threads (two per group)
-each write the name of the collective they just finished into one shared ``std::string``
-without a lock. Names of up to 15 characters stay inside the string object; a functional
-``all_gather_into_tensor`` finishes as ``ALLGATHER_COALESCED`` (19), which the string keeps on
-the heap, so two collectives finishing at once can free that buffer twice or write into it
-after it is freed: glibc then aborts the rank in an unrelated allocation ("malloc(): unaligned
-tcache chunk detected"). With the all-gathers in pieces and every piece issued at once, the main
-job died within 40-100 steps in each of 3 runs on loopback, against 0 of 3 runs of 90 steps
-with one call per message; an ``all_to_all`` finishes as a short name, with nothing on the heap
-(docs/design.md §10; ``benchmarks/gloo_race.py`` reproduces it without the job).
+calls would only add launches. On gloo the all-reduce route's all-gather is an ``all_to_all``
+too (``collectives.all_gather``: gloo's race on an all-gather's op name), so it is split the
+same way.
 """
 
 from __future__ import annotations
@@ -52,16 +40,16 @@ from gift_compile.passes.time_meter import CODEC
 c10d = torch.ops._c10d_functional
 
 ALL_TO_ALL = c10d.all_to_all_single.default
-ALL_GATHER = c10d.all_gather_into_tensor.default
 
 
 def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
-    """On gloo groups, split every marked gradient ``all_to_all`` / ``all_gather`` whose message per
-    destination exceeds ``piece_bytes`` (``0``: no limit) and send every gradient ``all_gather`` as
-    an ``all_to_all`` (module docstring); returns how many calls per step this added."""
+    """On gloo groups, split every marked gradient ``all_to_all`` whose message per destination
+    exceeds ``piece_bytes`` (module docstring); returns how many calls per step this added."""
+    if piece_bytes <= 0:  # no limit
+        return 0
     added = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (ALL_TO_ALL, ALL_GATHER) or not _splittable(node):
+    for node in list(graph.find_nodes(op="call_function", target=ALL_TO_ALL)):
+        if not _splittable(node):
             continue
         group_name = _arguments(node)["group_name"]
         group = _resolve_process_group(group_name)
@@ -69,12 +57,11 @@ def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
             continue
         world = dist.get_world_size(group)
         message = node.args[0].meta["val"]
-        rows = world if node.target is ALL_TO_ALL else 1
-        row_bytes = message.numel() * message.element_size() // rows
-        pieces = math.ceil(row_bytes / piece_bytes) if piece_bytes > 0 else 1
-        if pieces < 2 and node.target is ALL_TO_ALL:
+        bytes_per_destination = message.numel() * message.element_size() // world
+        pieces = math.ceil(bytes_per_destination / piece_bytes)
+        if pieces < 2:
             continue
-        _split(graph, node, world, rows, pieces, group_name)
+        _split(graph, node, world, pieces, group_name)
         added += pieces - 1
     graph.lint()
     return added
@@ -82,33 +69,28 @@ def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
 
 def _splittable(node: fx.Node) -> bool:
     """A gradient collective (not statistics), waited on by one ``wait_tensor`` and nothing else,
-    with equal chunks both ways for an ``all_to_all`` (what ``collectives.all_to_all`` and the
-    bucketing pass issue)."""
+    with equal chunks both ways (what ``collectives.all_to_all`` and the bucketing pass issue)."""
     if not node.meta.get(GRADIENT_COMM) or STATISTICS in node.meta or GRADIENT_STATISTICS in node.meta:
         return False
     if not (len(node.users) == 1 and next(iter(node.users)).target is WAIT):
         return False
-    if node.target is ALL_TO_ALL:
-        arguments = _arguments(node)
-        chunks = arguments["input_split_sizes"]
-        return arguments["output_split_sizes"] == chunks and len(set(chunks)) == 1
-    return True
+    arguments = _arguments(node)
+    chunks = arguments["input_split_sizes"]
+    return arguments["output_split_sizes"] == chunks and len(set(chunks)) == 1
 
 
 def _arguments(node: fx.Node) -> dict:
     return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
 
 
-def _split(graph: fx.Graph, node: fx.Node, world: int, rows: int, pieces: int, group_name: str) -> None:
-    target, shape = node.target, node.meta["val"].shape
+def _split(graph: fx.Graph, node: fx.Node, world: int, pieces: int, group_name: str) -> None:
+    shape = node.meta["val"].shape
 
     def in_pieces(message: torch.Tensor) -> torch.Tensor:
-        per_destination = message.reshape(rows, -1)
+        per_destination = message.reshape(world, -1)
         width = math.ceil(per_destination.shape[1] / pieces)
         parts = [per_destination[:, start:start + width].contiguous().reshape(-1)
                  for start in range(0, per_destination.shape[1], width)]
-        if target is ALL_GATHER:  # every destination gets the sender's whole part (docstring: gloo's race)
-            parts = [part.repeat(world) for part in parts]
         sent = [c10d.all_to_all_single(part, [part.numel() // world] * world, [part.numel() // world] * world, group_name)
                 for part in parts]
         received = [c10d.wait_tensor(s).reshape(world, -1) for s in sent]  # one row per sender
