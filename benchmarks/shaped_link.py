@@ -84,8 +84,10 @@ VARIANTS = {
 # cpu_support.cpu_disabled_graph_passes() plus cpu_support.FSDP_BUCKETING_PASS.)
 UNBUCKETED = ["--compile.disable_passes", "selective_activation_remat_pass,joint_transformer_block_bucketing_reordering_pass"]
 VARIANTS.update({f"{name}_unbucketed": [*VARIANTS[name], *UNBUCKETED] for name in ("fp32", "fp8", "gift")})
-# each quantized message in one gloo call, as before passes/pieces.py
+# each quantized message in one gloo call, as before passes/pieces.py; or in pieces of another size
 VARIANTS.update({f"{name}_whole": [*VARIANTS[name], "--gift.wire_piece_kib", "0"] for name in ("fp8", "gift")})
+VARIANTS.update({f"{name}_piece{kib}": [*VARIANTS[name], "--gift.wire_piece_kib", str(kib)]
+                 for name in ("fp8", "gift") for kib in (128, 512, 2048)})
 VARIANTS["gift_bf16_stats"] = [*VARIANTS["gift"], "--gift.stats_dtype", "bf16"]
 VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", "bf16"]
 # GIFT with a part switched off, to see what each costs: no per-step statistics (the sketch, its
