@@ -20,10 +20,10 @@ what read a member's result moves after it (a stable topological sort). A member
 is computed from another member's result (a later phase of the same reduction) goes in a later
 call, with the same phase of the bucket's other reductions. The fp32 all-reduces the pass leaves
 as they are (norm weights, biases) are merged the same way, one per block: an all-reduce of a
-concatenation sums each element as alone. Which layers share a bucket is ``gift_collectives.bucket_of``: a module, not a
-whole block: a bucket's first gradient waits for its last, and block-wide buckets made FP8's
-step 20% slower on a link without added latency, where module-wide ones cost ~nothing
-(docs/design.md §10).
+concatenation sums each element as alone. Which layers share a bucket is
+``gift_collectives.bucket_of``: a module, not a whole block: a bucket's first gradient waits for
+its last, and block-wide buckets made FP8's step 20% slower on a link without added latency,
+where module-wide ones cost ~nothing (docs/design.md §10).
 """
 
 from __future__ import annotations
