@@ -120,21 +120,47 @@ c10d = torch.ops._c10d_functional
 # (``timing.codec_section``).
 
 
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Equal 1-D chunks of ``x``, chunk ``j`` to rank ``j``; waited."""
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, piece_bytes: int = 0) -> torch.Tensor:
+    """Equal 1-D chunks of ``x``, chunk ``j`` to rank ``j``; waited. On gloo, a chunk larger than
+    ``piece_bytes`` (``0``: no limit) travels in pieces (:func:`pieces_for`)."""
     world = _world(group)
+    pieces = pieces_for(x, group, piece_bytes)
+    if pieces > 1:
+        return all_to_all_in_pieces(x, world, pieces, group.group_name)
     split = [x.numel() // world] * world
     return received(c10d.all_to_all_single(x, split, split, group.group_name))
 
 
-def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def pieces_for(x: torch.Tensor, group: dist.ProcessGroup, piece_bytes: int) -> int:
+    """How many calls an ``all_to_all`` of ``x`` over ``group`` takes with at most ``piece_bytes``
+    per destination (``0``: one). Only on gloo, which moves one large call at a fraction of a
+    slow link's rate and the same bytes in pieces issued together at nearly all of it; NCCL
+    pipelines a large message itself (``passes/pieces.py``, docs/design.md §10)."""
+    if piece_bytes <= 0 or dist.get_backend(group) != "gloo":
+        return 1
+    return math.ceil(x.numel() * x.element_size() // _world(group) / piece_bytes)
+
+
+def all_to_all_in_pieces(x: torch.Tensor, world: int, pieces: int, group_name: str) -> torch.Tensor:
+    """:func:`all_to_all` as ``pieces`` calls on column slices of the per-destination rows of
+    ``x``, all issued before the first wait, their results concatenated back: every rank
+    receives the same bytes in the same place as from one call."""
+    per_destination = x.reshape(world, -1)
+    width = math.ceil(per_destination.shape[1] / pieces)
+    parts = [per_destination[:, start:start + width].contiguous().reshape(-1) for start in range(0, per_destination.shape[1], width)]
+    sent = [c10d.all_to_all_single(part, [part.numel() // world] * world, [part.numel() // world] * world, group_name)
+            for part in parts]
+    return torch.cat([received(s).reshape(world, -1) for s in sent], dim=1).reshape(x.shape)  # a row per sender
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup, piece_bytes: int = 0) -> torch.Tensor:
     """Every rank's ``x`` stacked along dim 0; waited. On gloo it travels as an ``all_to_all``
-    that sends ``x`` to every rank: the same bytes on the wire and in the result, without the
-    race below."""
+    that sends ``x`` to every rank (in pieces of at most ``piece_bytes``): the same bytes on the
+    wire and in the result, without the race below."""
     world = _world(group)
     if dist.get_backend(group) == "gloo":
         to_everyone = x.reshape(1, -1).expand(world, -1).reshape(-1)
-        return all_to_all(to_everyone, group).reshape(world * x.shape[0], *x.shape[1:])
+        return all_to_all(to_everyone, group, piece_bytes).reshape(world * x.shape[0], *x.shape[1:])
     return received(c10d.all_gather_into_tensor(x, world, group.group_name))
 
 
@@ -364,20 +390,22 @@ def reduce_scattered(encoded: Encoded, incoming: torch.Tensor, shape: torch.Size
     return QuantizedReduction(shard, _unchunk(sent, lay, shape), stats)
 
 
-def exchange(messages: list[torch.Tensor], group) -> list[torch.Tensor]:
+def exchange(messages: list[torch.Tensor], group, piece_bytes: int = 0) -> list[torch.Tensor]:
     """Send several ``(world, bytes)`` messages in one ``all_to_all`` (row ``j`` of each to rank
-    ``j``); returns what every sender sent this rank, per message: the bytes each would receive
-    alone, in one round trip (``passes/bucketing.py`` does the same in a graph)."""
+    ``j``; on gloo in pieces of at most ``piece_bytes``); returns what every sender sent this
+    rank, per message: the bytes each would receive alone, in one round trip
+    (``passes/bucketing.py`` and ``passes/pieces.py`` do the same in a graph)."""
     group = resolve_group(group)
-    whole = all_to_all(torch.cat(messages, dim=1).reshape(-1), group).reshape(_world(group), -1)
+    whole = all_to_all(torch.cat(messages, dim=1).reshape(-1), group, piece_bytes).reshape(_world(group), -1)
     return list(torch.split(whole, [m.shape[1] for m in messages], dim=1))
 
 
-def gather_many(messages: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """Several all-gathers in one: each message (any shape, one dtype for all) from every rank;
-    returns, per message, ``(world, numel)``, row ``r`` rank ``r``'s."""
+def gather_many(messages: list[torch.Tensor], group, piece_bytes: int = 0) -> list[torch.Tensor]:
+    """Several all-gathers in one: each message (any shape, one dtype for all) from every rank
+    (on gloo in pieces of at most ``piece_bytes``); returns, per message, ``(world, numel)``, row
+    ``r`` rank ``r``'s."""
     group = resolve_group(group)
-    whole = all_gather(torch.cat([m.reshape(1, -1) for m in messages], dim=1), group)
+    whole = all_gather(torch.cat([m.reshape(1, -1) for m in messages], dim=1), group, piece_bytes)
     return list(torch.split(whole, [m.numel() for m in messages], dim=1))
 
 

@@ -158,7 +158,8 @@ class GiftConfig:
     """gloo only: a quantized gradient message larger than this per destination (KiB) travels in
     pieces of at most this size, several ``all_to_all`` calls instead of one, because gloo moves
     one large call at a fraction of a slow link's rate and pieces at nearly all of it
-    (``passes/pieces.py``). 0 sends each message in one call. Graph routes."""
+    (``passes/pieces.py``, ``collectives.all_to_all_in_pieces``). 0 sends each message in one
+    call. Every route: the graph routes' traced collectives and the standard trainer's eager ones."""
 
     bucket: bool = True
     """Graph routes: send the quantized gradients of the Linear layers of one child module of a

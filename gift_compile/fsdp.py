@@ -318,7 +318,8 @@ class GiftReduceScatter(ReduceScatter):
         messages of a phase in one collective per way of travel (FSDP hands over a block's
         gradients together, so nothing waits longer); else one gradient at a time."""
         buckets = [pending] if runtime.config.bucket else [[p] for p in pending]
-        return [result for bucket in buckets for result in _send(bucket, group, op, collective)]
+        piece_bytes = runtime.config.wire_piece_kib * 1024
+        return [result for bucket in buckets for result in _send(bucket, group, op, collective, piece_bytes)]
 
     @staticmethod
     def _stateless(runtime: GiftRuntime, plan: Plan, key: str, segment: Segment, grad: torch.Tensor, group, op: str,
@@ -394,10 +395,11 @@ class OpenStep:
                                    prepared.end, **self.step.reduction)
 
 
-def _send(bucket: list[Pending], group, op: str, collective: str) -> list[torch.Tensor]:
+def _send(bucket: list[Pending], group, op: str, collective: str, piece_bytes: int) -> list[torch.Tensor]:
     """Complete ``bucket``'s reductions, phase by phase: each round sends every waiting message
-    in one collective per way of travel and dtype, and a completion may wait for another round
-    (the all-reduce's all-gather). The order is the same on every rank: the segments'."""
+    in one collective per way of travel and dtype (on gloo the quantized ones in pieces of at
+    most ``piece_bytes`` per destination), and a completion may wait for another round (the
+    all-reduce's all-gather). The order is the same on every rank: the segments'."""
     results: list[torch.Tensor | Pending] = list(bucket)
     while waiting := [i for i, r in enumerate(results) if isinstance(r, Pending)]:
         kinds: dict[tuple, list[int]] = {}
@@ -407,9 +409,9 @@ def _send(bucket: list[Pending], group, op: str, collective: str) -> list[torch.
         for (via, _), same in kinds.items():
             messages = [results[i].message for i in same]
             if via == "all_to_all":
-                got = exchange(messages, group)
+                got = exchange(messages, group, piece_bytes)
             elif via == "all_gather":
-                got = gather_many(messages, group)
+                got = gather_many(messages, group, piece_bytes)
             else:
                 got = reduce_many(messages, op, group, via, collective)
             arrived.update(zip(same, got))

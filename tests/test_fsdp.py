@@ -417,7 +417,7 @@ class CollectiveCount(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def fsdp_block_bucketed_or_not(rank, world, bucket, replicas=1, steps=3):
+def fsdp_block_bucketed_or_not(rank, world, bucket, replicas=1, steps=3, piece_kib=128):
     """A Llama block under FSDP2 (one parameter group): q, k, v and w2 whitened, wo, w1 and w3
     on Euclidean FP8, the norms in fp32; every gradient shard per step and the collectives each
     backward issued. ``replicas=2``: HSDP, sharded over ``world / 2`` ranks, GIFT's all-reduce
@@ -426,7 +426,7 @@ def fsdp_block_bucketed_or_not(rank, world, bucket, replicas=1, steps=3):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    config = GiftConfig(layers=("wq", "wk", "wv", "w2"), low_rank=4, meter_interval=2, bucket=bucket)
+    config = GiftConfig(layers=("wq", "wk", "wv", "w2"), low_rank=4, meter_interval=2, bucket=bucket, wire_piece_kib=piece_kib)
     model = LlamaBlock()
     mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     fully_shard(model, mesh=mesh["shard"])
@@ -483,3 +483,24 @@ def test_a_bucketed_hsdp_block_sends_the_same_gradients_in_six_collectives(ranks
             assert calls_alone[step] == {"all_to_all_single": 3 * matrices, "reduce_scatter_tensor": vectors,
                                          "all_reduce": whitened + vectors}
             assert calls[step] == {"all_to_all_single": 3, "reduce_scatter_tensor": 1, "all_reduce": 2}
+
+
+def test_the_standard_trainers_messages_travel_in_pieces_with_the_same_gradients(ranks):
+    # wire_piece_kib = 1: the block's quantized messages go as several all_to_all calls each,
+    # the shard group's exchange and the replicate all-reduce's two phases alike
+    # (collectives.all_to_all_in_pieces, eagerly). The block's 7 matrices hold 4 * 32 * 32 +
+    # 3 * 32 * 64 = 10,240 FP8 codes: the shard group's exchange sends half of them and their
+    # scales to each of 2 ranks (5,120 bytes and more: 6 pieces of at most 1 KiB); each rank's
+    # shard (5,120 codes) is all-reduced over 2 replicas, a quarter and its scales to each peer,
+    # then the reduced quarter to both (2,560 bytes and more: 3 pieces each). Every gradient shard
+    # is the same bit for bit as with one call per message, and only the all_to_all count grows.
+    for (pieces, calls, shapes), (whole, calls_whole, _) in zip(ranks(4).run(fsdp_block_bucketed_or_not, True, 2, 2, 1),
+                                                                ranks(4).run(fsdp_block_bucketed_or_not, True, 2, 2, 0)):
+        for step, (got, want) in enumerate(zip(pieces, whole)):
+            for name in want:
+                assert torch.equal(got[name], want[name]), f"{name} differs at step {step}"
+        for step in range(len(calls)):
+            assert calls_whole[step]["all_to_all_single"] == 3
+            assert calls[step]["all_to_all_single"] == 6 + 3 + 3
+            assert {k: v for k, v in calls[step].items() if k != "all_to_all_single"} == \
+                   {k: v for k, v in calls_whole[step].items() if k != "all_to_all_single"}

@@ -20,12 +20,11 @@ bit-identical. The pieces carry the collective's marks, so the overlap scheduler
 (:data:`PIECE_OF`). Only gloo groups are split: NCCL pipelines a large message itself, and more
 calls would only add launches. On gloo the all-reduce route's all-gather is an ``all_to_all``
 too (``collectives.all_gather``: gloo's race on an all-gather's op name), so it is split the
-same way.
+same way. The split itself is ``collectives.all_to_all_in_pieces``, which the standard
+trainer's eager exchanges (``fsdp.py``) call directly.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.operator_schemas import normalize_function
 
+from gift_compile.collectives import all_to_all_in_pieces, pieces_for
 from gift_compile.passes.graph_utils import splice_traced
 from gift_compile.passes.overlap import GRADIENT_COMM, GRADIENT_STATISTICS, PIECE_INPUT, PIECE_OF, STATISTICS, WAIT
 from gift_compile.passes.time_meter import CODEC
@@ -45,24 +45,15 @@ ALL_TO_ALL = c10d.all_to_all_single.default
 def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
     """On gloo groups, split every marked gradient ``all_to_all`` whose message per destination
     exceeds ``piece_bytes`` (module docstring); returns how many calls per step this added."""
-    if piece_bytes <= 0:  # no limit
-        return 0
     added = 0
     for node in list(graph.find_nodes(op="call_function", target=ALL_TO_ALL)):
         if not _splittable(node):
             continue
-        group_name = _arguments(node)["group_name"]
-        group = _resolve_process_group(group_name)
-        if dist.get_backend(group) != "gloo":
-            continue
-        world = dist.get_world_size(group)
-        message = node.args[0].meta["val"]
-        bytes_per_destination = message.numel() * message.element_size() // world
-        pieces = math.ceil(bytes_per_destination / piece_bytes)
-        if pieces < 2:
-            continue
-        _split(graph, node, world, pieces, group_name)
-        added += pieces - 1
+        group = _resolve_process_group(_arguments(node)["group_name"])
+        pieces = pieces_for(node.args[0].meta["val"], group, piece_bytes)
+        if pieces > 1:
+            _split(graph, node, dist.get_world_size(group), pieces, group.group_name)
+            added += pieces - 1
     graph.lint()
     return added
 
@@ -84,20 +75,8 @@ def _arguments(node: fx.Node) -> dict:
 
 
 def _split(graph: fx.Graph, node: fx.Node, world: int, pieces: int, group_name: str) -> None:
-    shape = node.meta["val"].shape
-
-    def in_pieces(message: torch.Tensor) -> torch.Tensor:
-        per_destination = message.reshape(world, -1)
-        width = math.ceil(per_destination.shape[1] / pieces)
-        parts = [per_destination[:, start:start + width].contiguous().reshape(-1)
-                 for start in range(0, per_destination.shape[1], width)]
-        sent = [c10d.all_to_all_single(part, [part.numel() // world] * world, [part.numel() // world] * world, group_name)
-                for part in parts]
-        received = [c10d.wait_tensor(s).reshape(world, -1) for s in sent]  # one row per sender
-        return torch.cat(received, dim=1).reshape(shape)
-
     present = set(graph.nodes)
-    result = splice_traced(graph, in_pieces, [node.args[0]], after=node)
+    result = splice_traced(graph, lambda message: all_to_all_in_pieces(message, world, pieces, group_name), [node.args[0]], after=node)
     added = [n for n in graph.nodes if n not in present]
     calls = [n for n in added if n.target is ALL_TO_ALL]
     for call in calls:  # the collective's marks: the scheduler's, the bucket's, the time meter's
