@@ -148,8 +148,8 @@ def all_to_all_in_pieces(x: torch.Tensor, world: int, pieces: int, group_name: s
     per_destination = x.reshape(world, -1)
     width = math.ceil(per_destination.shape[1] / pieces)
     parts = [per_destination[:, start:start + width].contiguous().reshape(-1) for start in range(0, per_destination.shape[1], width)]
-    sent = [c10d.all_to_all_single(part, [part.numel() // world] * world, [part.numel() // world] * world, group_name)
-            for part in parts]
+    splits = [[part.numel() // world] * world for part in parts]
+    sent = [c10d.all_to_all_single(part, split, split, group_name) for part, split in zip(parts, splits)]
     return torch.cat([received(s).reshape(world, -1) for s in sent], dim=1).reshape(x.shape)  # a row per sender
 
 

@@ -31,10 +31,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.fx.operator_schemas import normalize_function
 
-from gift_compile.passes.graph_utils import descendants, splice_traced
-from gift_compile.passes.overlap import WAIT
+from gift_compile.passes.graph_utils import call_arguments, descendants, equal_chunks, splice_traced, waited_once
 
 c10d = torch.ops._c10d_functional
 
@@ -55,7 +53,7 @@ def bucket_gradient_collectives(graph: fx.Graph) -> int:
         buckets: dict[tuple, list[fx.Node]] = {}
         for node in graph.find_nodes(op="call_function", target=target):
             if BUCKET in node.meta and _bucketable(node):
-                arguments = _arguments(node)
+                arguments = call_arguments(node)
                 key = (node.meta[BUCKET], arguments["group_name"], arguments.get("reduce_op"), node.args[0].meta["val"].dtype)
                 buckets.setdefault(key, []).append(node)
         for members in buckets.values():
@@ -69,18 +67,9 @@ def bucket_gradient_collectives(graph: fx.Graph) -> int:
 
 
 def _bucketable(node: fx.Node) -> bool:
-    """Waited on by one ``wait_tensor`` and nothing else, and for an ``all_to_all`` equal chunks
-    both ways (what ``collectives.all_to_all`` issues)."""
-    waited = len(node.users) == 1 and next(iter(node.users)).target is WAIT
-    if node.target is ALL_TO_ALL:
-        splits = _arguments(node)
-        chunks = splits["input_split_sizes"]
-        return waited and splits["output_split_sizes"] == chunks and len(set(chunks)) == 1
-    return waited
-
-
-def _arguments(node: fx.Node) -> dict:
-    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    """Waited on once (``graph_utils.waited_once``), and for an ``all_to_all`` equal chunks both
+    ways (what ``collectives.all_to_all`` issues)."""
+    return waited_once(node) and (node.target is not ALL_TO_ALL or equal_chunks(node))
 
 
 def _independent(members: list[fx.Node]) -> list[list[fx.Node]]:
@@ -102,7 +91,7 @@ def _independent(members: list[fx.Node]) -> list[list[fx.Node]]:
 
 
 def _merge(graph: fx.Graph, batch: list[fx.Node]) -> None:
-    target, arguments = batch[0].target, _arguments(batch[0])
+    target, arguments = batch[0].target, call_arguments(batch[0])
     group_name = arguments["group_name"]
     world = torch.distributed.get_world_size(torch.distributed.distributed_c10d._resolve_process_group(group_name))
     messages = [m.args[0] for m in batch]

@@ -54,7 +54,6 @@ import torch
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch._inductor.pattern_matcher import stable_topological_sort
-from torch.fx.operator_schemas import normalize_function
 
 from gift_compile import policy
 from gift_compile.agreement import describe
@@ -64,7 +63,7 @@ from gift_compile.geometry import Whitening
 from gift_compile.layer_step import CurrentFactors, LayerPlan, current_factors, gradient_factors, issue_statistics, reduce_layer
 from gift_compile.ops import OpsAccess, agree_first, record_euclidean_step
 from gift_compile.passes.bucketing import ALL_GATHER, ALL_TO_ALL, BUCKET, bucket_gradient_collectives
-from gift_compile.passes.graph_utils import innermost_module, is_linear_type, splice_traced
+from gift_compile.passes.graph_utils import call_arguments, innermost_module, is_linear_type, splice_traced, waited_once
 from gift_compile.passes.overlap import GRADIENT_COMM, GRADIENT_STATISTICS, STATISTICS, mark_gradient_collectives
 from gift_compile.passes.time_meter import CODEC
 from gift_compile.policy import ParamKind, Plan
@@ -102,17 +101,16 @@ def find_gradient_collectives(graph: fx.Graph) -> list[GradientCollective]:
     found = []
     for target, collective_type in COLLECTIVES.items():
         for node in graph.find_nodes(op="call_function", target=target):
-            kwargs = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-            waits = [u for u in node.users if u.target is WAIT]
-            if len(waits) != 1 or len(node.users) != 1:
+            if not waited_once(node):
                 continue
+            kwargs = call_arguments(node)
             mm = weight_gradient_mm(kwargs["input"])
             fqn = None
             if mm is not None:
                 origin = innermost_module(mm)
                 if origin is not None and (origin[1] is None or is_linear_type(origin[1])):
                     fqn = origin[0]
-            found.append(GradientCollective(node, waits[0], collective_type, kwargs["reduce_op"], kwargs["group_name"], mm, fqn))
+            found.append(GradientCollective(node, next(iter(node.users)), collective_type, kwargs["reduce_op"], kwargs["group_name"], mm, fqn))
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(found, key=lambda g: order[g.collective])
 

@@ -11,6 +11,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.operator_schemas import normalize_function
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
 
@@ -45,6 +46,25 @@ def splice_traced(
             _add_tensor_meta(copied)
             env[node] = copied
     return result
+
+
+def call_arguments(node: fx.Node) -> dict:
+    """A call's arguments by name, positional or not (a collective's ``group_name``, split sizes)."""
+    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+
+
+def waited_once(collective: fx.Node) -> bool:
+    """Waited on by one ``wait_tensor`` and read by nothing else: a collective a pass may replace
+    by rewiring that wait's users."""
+    return len(collective.users) == 1 and next(iter(collective.users)).target is torch.ops._c10d_functional.wait_tensor.default
+
+
+def equal_chunks(all_to_all: fx.Node) -> bool:
+    """An ``all_to_all_single`` that sends and receives the same chunk size to and from every rank
+    (what ``collectives.all_to_all`` issues)."""
+    arguments = call_arguments(all_to_all)
+    chunks = arguments["input_split_sizes"]
+    return arguments["output_split_sizes"] == chunks and len(set(chunks)) == 1
 
 
 def descendants(node: fx.Node) -> set[fx.Node]:

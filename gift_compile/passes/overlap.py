@@ -35,7 +35,8 @@ import heapq
 
 import torch
 from torch import fx
-from torch.fx.operator_schemas import normalize_function
+
+from gift_compile.passes.graph_utils import call_arguments
 
 c10d = torch.ops._c10d_functional
 
@@ -188,7 +189,7 @@ def statistics_on_own_group(graph: fx.Graph) -> tuple[int, int]:
 
 
 def _group_name(collective: fx.Node) -> str:
-    return normalize_function(collective.target, collective.args, collective.kwargs, normalize_to_only_use_kwargs=True).kwargs["group_name"]
+    return call_arguments(collective)["group_name"]
 
 
 __all__ = ["ALL_GATHERS", "GRADIENT_COMM", "GRADIENT_STATISTICS", "PIECE_INPUT", "PIECE_OF", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]

@@ -30,10 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.fx.operator_schemas import normalize_function
 
 from gift_compile.collectives import all_to_all_in_pieces, pieces_for
-from gift_compile.passes.graph_utils import splice_traced
+from gift_compile.passes.graph_utils import call_arguments, equal_chunks, splice_traced, waited_once
 from gift_compile.passes.overlap import GRADIENT_COMM, GRADIENT_STATISTICS, PIECE_INPUT, PIECE_OF, STATISTICS, WAIT
 from gift_compile.passes.time_meter import CODEC
 
@@ -49,7 +48,7 @@ def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
     for node in list(graph.find_nodes(op="call_function", target=ALL_TO_ALL)):
         if not _splittable(node):
             continue
-        group = _resolve_process_group(_arguments(node)["group_name"])
+        group = _resolve_process_group(call_arguments(node)["group_name"])
         pieces = pieces_for(node.args[0].meta["val"], group, piece_bytes)
         if pieces > 1:
             _split(graph, node, dist.get_world_size(group), pieces, group.group_name)
@@ -59,19 +58,11 @@ def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
 
 
 def _splittable(node: fx.Node) -> bool:
-    """A gradient collective (not statistics), waited on by one ``wait_tensor`` and nothing else,
-    with equal chunks both ways (what ``collectives.all_to_all`` and the bucketing pass issue)."""
+    """A gradient collective (not statistics), waited on once, with equal chunks both ways (what
+    ``collectives.all_to_all`` and the bucketing pass issue)."""
     if not node.meta.get(GRADIENT_COMM) or STATISTICS in node.meta or GRADIENT_STATISTICS in node.meta:
         return False
-    if not (len(node.users) == 1 and next(iter(node.users)).target is WAIT):
-        return False
-    arguments = _arguments(node)
-    chunks = arguments["input_split_sizes"]
-    return arguments["output_split_sizes"] == chunks and len(set(chunks)) == 1
-
-
-def _arguments(node: fx.Node) -> dict:
-    return normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    return waited_once(node) and equal_chunks(node)
 
 
 def _split(graph: fx.Graph, node: fx.Node, world: int, pieces: int, group_name: str) -> None:
