@@ -115,7 +115,17 @@ def worker(rank: int, address: str, port: int, device: str, sizes_mib: list[floa
             for work in [dist.all_gather_into_tensor(out, piece, async_op=True) for out, piece in zip(piece_outputs, pieces)]:
                 work.wait()
 
+        def two_in_flight():  # FSDP's prefetch: each call issued before the previous one is waited on
+            pending = None
+            for out, piece in zip(piece_outputs, pieces):
+                work = dist.all_gather_into_tensor(out, piece, async_op=True)
+                if pending is not None:
+                    pending.wait()
+                pending = work
+            pending.wait()
+
         timed(f"gloo all-gather, {piece_kib} KiB pieces one by one", mib, one_by_one)
+        timed(f"gloo all-gather, {piece_kib} KiB pieces two in flight (FSDP's prefetch)", mib, two_in_flight)
         timed(f"gloo all-gather, {piece_kib} KiB pieces all issued, then waited", mib, all_at_once)
         a2a_in = [torch.randn(2 * p.numel()) for p in pieces]
         a2a_out = [torch.empty(2 * p.numel()) for p in pieces]

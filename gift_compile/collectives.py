@@ -153,6 +153,11 @@ def all_to_all_in_pieces(x: torch.Tensor, world: int, pieces: int, group_name: s
     return torch.cat([received(s).reshape(world, -1) for s in sent], dim=1).reshape(x.shape)  # a row per sender
 
 
+def all_gather_pieces(x: torch.Tensor, group: dist.ProcessGroup, piece_bytes: int) -> int:
+    """How many calls :func:`all_gather` of ``x`` takes: its ``all_to_all`` sends ``x`` to every rank."""
+    return pieces_for(x.reshape(1, -1).expand(_world(group), -1), group, piece_bytes)
+
+
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup, piece_bytes: int = 0) -> torch.Tensor:
     """Every rank's ``x`` stacked along dim 0; waited. On gloo it travels as an ``all_to_all``
     that sends ``x`` to every rank (in pieces of at most ``piece_bytes``): the same bytes on the

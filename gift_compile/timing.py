@@ -27,6 +27,7 @@ time says nothing and stream time does not split the step.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,20 @@ from dataclasses import dataclass, field
 import torch
 
 KINDS = ("codec", "wait", "compute")
+
+_TRACE = os.environ.get("GIFT_TIME_TRACE")
+"""A path: every host tick of this process is appended to ``<path>.<pid>`` as its wall time
+and the kind it opens (``benchmarks/link_trace.py`` lines them up with the link's counters)."""
+_trace_file = None
+
+
+def _trace(kind: str | None) -> None:
+    global _trace_file
+    if _trace_file is None:
+        _trace_file = open(f"{_TRACE}.{os.getpid()}", "a", buffering=1 << 16)  # noqa: SIM115 (open for the process's life)
+    _trace_file.write(f"{time.time():.6f} {kind or 'end'}\n")
+    if kind is None:
+        _trace_file.flush()  # once a step: a rank may end without closing it
 
 
 @dataclass
@@ -62,6 +77,8 @@ class StepTimer:
             now = time.perf_counter()
             if self._last is not None:
                 self._add(self._kind, now - self._last, counted)
+            if _TRACE:
+                _trace(kind)
         self._last, self._kind = (now, kind) if kind is not None else (None, None)
         if kind is None:
             self.steps += 1

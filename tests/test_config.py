@@ -29,6 +29,7 @@ def test_defaults_are_valid_and_frozen():
         ("stats_max_tokens", 2**40, "integer in"),
         ("wire_piece_kib", -1, r"integer in \[0, 2147483647\]"),  # 0 (one call per message) is valid
         ("wire_piece_kib", 64.0, "integer in"),
+        ("parameter_piece_kib", -1, r"integer in \[0, 2147483647\]"),
         ("damping", -1.0, "number in"),
         ("damping", True, "number in"),
         ("damping", 1e-300, r"number in \[1e-08, 1000\)"),  # gave NaN factors on a zero input

@@ -27,7 +27,8 @@ def test_both_ranks_measure_every_row_and_the_table_compares_with_raw_tcp():
     rows = json.loads(outputs[0][0].strip().splitlines()[-1])
     assert [r["op"] for r in rows] == ["raw TCP, both directions at once", "gloo all-reduce", "gloo all-gather, one call",
                                        "gloo all-to-all, one call",
-                                       "gloo all-gather, 64 KiB pieces one by one", "gloo all-gather, 64 KiB pieces all issued, then waited",
+                                       "gloo all-gather, 64 KiB pieces one by one", "gloo all-gather, 64 KiB pieces two in flight (FSDP's prefetch)",
+                                       "gloo all-gather, 64 KiB pieces all issued, then waited",
                                        "gloo all-to-all, 64 KiB pieces one by one", "gloo all-to-all, 64 KiB pieces all issued, then waited"]
     assert all(r["mib"] == 0.25 and r["mbit_s"] > 0 for r in rows)
     text = table(rows, 200.0)

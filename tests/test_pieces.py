@@ -8,7 +8,9 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from gift_compile import collectives
-from gift_compile.passes.overlap import PIECE_OF, collectives_of, mark_gradient_collectives, overlap_gradient_collectives
+from gift_compile.passes.overlap import (
+    PARAMETER_GATHER, PIECE_OF, collectives_of, mark_gradient_collectives, overlap_gradient_collectives, prefetched_all_gathers,
+)
 from gift_compile.passes.pieces import send_in_pieces
 from gift_compile.testing.ranks import run_on_ranks
 
@@ -118,3 +120,63 @@ def test_the_scheduler_issues_the_pieces_together_and_holds_their_waits_as_one()
         # the second's, not after its own second piece (the pieces count as one collective); the
         # last's when nothing else is left.
         assert order == ["mm", "all_to_all", "piece", "mm", "all_to_all", "piece", "wait", "wait", "wait", "wait"], order
+
+
+def _parameter_gathers(rank: int, world: int) -> dict:
+    """graph_trainer's FSDP forward in small: two parameters' bucket all-gathers
+    (``all_gather_into_tensor_out``, unmarked), the second issued before the first is waited on
+    (its prefetch), each used by a matmul; sent in pieces, then ordered by the scheduler."""
+    group_name = dist.group.WORLD.group_name
+
+    def forward(x, p0, p1):
+        gathered = []
+        for p in (p0, p1):
+            bucket = torch.empty(world * p.numel())
+            gathered.append(c10d.all_gather_into_tensor_out(p, world, group_name, out=bucket))
+        h = x @ c10d.wait_tensor(gathered[0]).reshape(8, -1)
+        p1_gathered = c10d.wait_tensor(gathered[1])
+        return h, h @ p1_gathered.reshape(-1, 8), p1_gathered
+
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 8)
+    p0, p1 = (torch.randn(100, generator=generator) for _ in range(2))  # 400 bytes of each parameter per rank
+    by_gloo = torch.empty(world * 100)
+    dist.all_gather_into_tensor(by_gloo, p1)
+    whole = make_fx(forward)(x, p0, p1)
+    split = make_fx(forward)(x, p0, p1)
+    prefetched_before = prefetched_all_gathers(split.graph)
+    added = send_in_pieces(split.graph, 0, 128)  # 400 bytes to each rank at 128 a piece: 4 calls each
+    gradient_waits_moved = overlap_gradient_collectives(split.graph)
+    split.recompile()
+    order, gathers = [], []  # gathers: each parameter's first call, in graph order
+    for node in split.graph.nodes:
+        if node.target is c10d.all_to_all_single.default:
+            gathers += [node] if node.meta[PARAMETER_GATHER] is node else []
+            order.append(f"p{gathers.index(node.meta[PARAMETER_GATHER])}")
+        elif node.target is c10d.wait_tensor.default:
+            order.append("wait")
+        elif node.target is torch.ops.aten.mm.default:
+            order.append("mm")
+    got, want = split(x, p0, p1), whole(x, p0, p1)
+    return {
+        "added": added,
+        "order": order,
+        "prefetched": (prefetched_before, prefetched_all_gathers(split.graph)),
+        "gradient_waits_moved": gradient_waits_moved,
+        "same": all(torch.equal(a, b) for a, b in zip(got, want)),
+        "gathered_as_gloo_does": torch.equal(got[2], by_gloo),
+    }
+
+
+def test_parameter_all_gathers_travel_in_pieces_where_they_were_issued_and_waited():
+    for result in run_on_ranks(_parameter_gathers, 2):
+        # Each parameter's 400 bytes go to every rank in 4 calls of at most 128 bytes (all_to_alls:
+        # collectives.all_gather on gloo), 8 calls where there were 2.
+        assert result["added"] == 6
+        # The prefetch is kept: both parameters' calls go out before the first is waited on, and
+        # each parameter's waits stand where its all-gather's wait stood (the scheduler moves no
+        # unmarked collective; there is no gradient collective here to move).
+        assert result["order"] == ["p0"] * 4 + ["p1"] * 4 + ["wait"] * 4 + ["mm"] + ["wait"] * 4 + ["mm"], result["order"]
+        assert result["prefetched"] == (1, 1) and result["gradient_waits_moved"] == 0
+        # Bit for bit what the one call gave, and what gloo's own all-gather gives.
+        assert result["same"] and result["gathered_as_gloo_does"]

@@ -57,3 +57,21 @@ def test_ticks_mark_every_change_of_kind():
     assert kinds == ["compute", "codec", "wait", "compute", None]
     order = [n for n in graph.nodes if n.op == "call_function"]
     assert order.index(wait) == order.index(comm) + 2  # a tick between the collective and its wait
+
+
+def test_a_trace_records_each_tick_with_its_wall_time(monkeypatch, tmp_path):
+    # GIFT_TIME_TRACE (read at import) names the file; benchmarks/link_trace.py lines the ticks up
+    # with the link's counters, so each line is the wall clock (time.time) and the kind opened.
+    import os
+    import time
+
+    monkeypatch.setattr(timing, "_TRACE", str(tmp_path / "ticks"))
+    monkeypatch.setattr(timing, "_trace_file", None)
+    before = time.time()
+    t = timing.StepTimer()
+    for kind in ("compute", "wait", None):  # the step's end flushes the file
+        t.tick(kind)
+    rows = [line.split() for line in (tmp_path / f"ticks.{os.getpid()}").read_text().splitlines()]
+    assert [kind for _, kind in rows] == ["compute", "wait", "end"]
+    times = [float(when) for when, _ in rows]
+    assert before - 1e-3 <= times[0] <= times[1] <= times[2] <= time.time() + 1e-3

@@ -48,7 +48,8 @@ def runs(tmp_path_factory) -> Runs:
         shutil.copytree(first.dump_folder / "checkpoint" / f"step-{CHECKPOINT}", tmp / name / "checkpoint" / f"step-{CHECKPOINT}")
     load = ("--checkpoint.load_step", str(CHECKPOINT))
     resumed, other, again = concurrently(
-        lambda: run_job(job, first.dump_folder, *load, "--gift.layers", ",".join(chosen)).check(),
+        # (with the parameter all-gathers in pieces: the same bytes, so the same losses)
+        lambda: run_job(job, first.dump_folder, *load, "--gift.layers", ",".join(chosen), "--gift.parameter_piece_kib", "64").check(),
         lambda: run_job(job, tmp / "other", *load, "--gift.layers", "wo"),
         lambda: run_job(job, tmp / "again", *load),
     )
@@ -140,6 +141,11 @@ def test_checkpoint_restores_gift_state(runs):
     a, b = first.series("loss"), resumed.series("loss")
     for step in range(CHECKPOINT + 1, STEPS + 1):
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-4), (step, a[step], b[step])
+    # The resume sent FSDP's parameter all-gathers in 64 KiB pieces ([gift] parameter_piece_kib):
+    # more calls a step, the prefetch kept, and (above) the same losses, so the same parameters.
+    assert re.search(r"GIFT pieces: \d+ more collectives per step, .* each parameter all-gather at most 64 KiB per rank", resumed.log)
+    assert resumed.last("gift/collectives_per_step") > first.last("gift/collectives_per_step")
+    assert min(int(m) for m in re.findall(r"(\d+) parameter all-gathers prefetched", resumed.log)) > 0
     for rank in (0, 1):
         ca, cb = first.counters(rank), resumed.counters(rank)
         assert cb["state_steps"] == ca["state_steps"] == {fqn: STEPS - PROFILE for fqn in runs.chosen}

@@ -53,6 +53,10 @@ PIECE_INPUT = "gift_piece_input"
 """``node.meta`` key on the slices a collective's pieces are cut from: scheduled as soon as they
 can run, like a collective, so that a collective's pieces go out together."""
 
+PARAMETER_GATHER = "gift_parameter_gather"
+"""``node.meta`` key on the calls a parameter all-gather was sent as (``passes/pieces.py``): its
+first call. Not moved by this scheduler; :func:`prefetched_all_gathers` counts them as one."""
+
 GRADIENT_STATISTICS = "gift_gradient_statistics"
 """``node.meta`` key on a gradient-statistics all-reduce (its value: the bucket it sums,
 ``gift_collectives.bucket_of``). Unlike ``STATISTICS`` it is the first phase of its gradients'
@@ -170,12 +174,20 @@ def prefetched_all_gathers(graph: fx.Graph) -> int:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in ALL_GATHERS and not node.meta.get(GRADIENT_COMM):  # a gradient's second phase is not a prefetch
+        if _parameter_gather(node) is node:
             prefetched += bool(pending)
             pending.add(node)
         elif node.target is WAIT:
-            pending.discard(node.args[0])
+            pending.discard(_parameter_gather(node.args[0]))
     return prefetched
+
+
+def _parameter_gather(node: fx.Node) -> fx.Node | None:
+    """The parameter all-gather ``node`` is a call of (its first call, when sent in pieces), or
+    None (a gradient's second phase is not a parameter all-gather)."""
+    if node.target in ALL_GATHERS and not node.meta.get(GRADIENT_COMM):
+        return node
+    return node.meta.get(PARAMETER_GATHER)
 
 
 def statistics_on_own_group(graph: fx.Graph) -> tuple[int, int]:
@@ -192,4 +204,4 @@ def _group_name(collective: fx.Node) -> str:
     return call_arguments(collective)["group_name"]
 
 
-__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "GRADIENT_STATISTICS", "PIECE_INPUT", "PIECE_OF", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]
+__all__ = ["ALL_GATHERS", "GRADIENT_COMM", "GRADIENT_STATISTICS", "PARAMETER_GATHER", "PIECE_INPUT", "PIECE_OF", "collectives_of", "prefetched_all_gathers", "STATISTICS", "statistics_on_own_group", "mark_gradient_collectives", "overlap_gradient_collectives"]

@@ -22,6 +22,17 @@ calls would only add launches. On gloo the all-reduce route's all-gather is an `
 too (``collectives.all_gather``: gloo's race on an all-gather's op name), so it is split the
 same way. The split itself is ``collectives.all_to_all_in_pieces``, which the standard
 trainer's eager exchanges (``fsdp.py``) call directly.
+
+graph_trainer's FSDP parameter all-gathers (``all_gather_into_tensor_out`` into its per-block
+bucket buffers) are the forward's traffic, and gloo moves them at 70-80% of a slow link's rate
+with two in flight (FSDP's prefetch) against ~100% in 128 KiB pieces (``gloo_link.py``). With
+``parameter_piece_kib`` set (off by default: from 1 Gbit/s up the calls' fixed cost outweighs
+it), each becomes ``collectives.all_gather`` in pieces: on gloo ``all_to_all``s carrying the
+same bytes, issued where the all-gather was and waited where it was waited, so FSDP's prefetch
+depth and memory profile stay as torchtitan set them::
+
+    before:  g = all_gather_into_tensor_out(x, W, group, out=bucket)   ...   wait(g)
+    after:   m_i = all_to_all(piece i of x, once per rank)  for i < k ...   wait(m_0) .. wait(m_k-1); cat
 """
 
 from __future__ import annotations
@@ -31,19 +42,23 @@ import torch.distributed as dist
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from gift_compile.collectives import all_to_all_in_pieces, pieces_for
+from gift_compile.collectives import all_gather, all_gather_pieces, all_to_all_in_pieces, pieces_for
 from gift_compile.passes.graph_utils import call_arguments, equal_chunks, splice_traced, waited_once
-from gift_compile.passes.overlap import GRADIENT_COMM, GRADIENT_STATISTICS, PIECE_INPUT, PIECE_OF, STATISTICS, WAIT
+from gift_compile.passes.overlap import (
+    GRADIENT_COMM, GRADIENT_STATISTICS, PARAMETER_GATHER, PIECE_INPUT, PIECE_OF, STATISTICS, WAIT,
+)
 from gift_compile.passes.time_meter import CODEC
 
 c10d = torch.ops._c10d_functional
 
 ALL_TO_ALL = c10d.all_to_all_single.default
+ALL_GATHER_OUT = c10d.all_gather_into_tensor_out.default
 
 
-def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
+def send_in_pieces(graph: fx.Graph, piece_bytes: int, parameter_piece_bytes: int = 0) -> int:
     """On gloo groups, split every marked gradient ``all_to_all`` whose message per destination
-    exceeds ``piece_bytes`` (module docstring); returns how many calls per step this added."""
+    exceeds ``piece_bytes``, and every parameter all-gather whose part per rank exceeds
+    ``parameter_piece_bytes`` (module docstring); returns how many calls per step this added."""
     added = 0
     for node in list(graph.find_nodes(op="call_function", target=ALL_TO_ALL)):
         if not _splittable(node):
@@ -53,6 +68,12 @@ def send_in_pieces(graph: fx.Graph, piece_bytes: int) -> int:
         if pieces > 1:
             _split(graph, node, dist.get_world_size(group), pieces, group.group_name)
             added += pieces - 1
+    for node in list(graph.find_nodes(op="call_function", target=ALL_GATHER_OUT)):
+        if node.meta.get(GRADIENT_COMM) or not waited_once(node):
+            continue
+        group = _resolve_process_group(call_arguments(node)["group_name"])
+        if all_gather_pieces(node.args[0].meta["val"], group, parameter_piece_bytes) > 1:
+            added += _split_parameter_gather(graph, node, group, parameter_piece_bytes) - 1
     graph.lint()
     return added
 
@@ -86,6 +107,25 @@ def _split(graph: fx.Graph, node: fx.Node, world: int, pieces: int, group_name: 
     wait.replace_all_uses_with(result)
     graph.erase_node(wait)
     graph.erase_node(node)
+
+
+def _split_parameter_gather(graph: fx.Graph, node: fx.Node, group: dist.ProcessGroup, piece_bytes: int) -> int:
+    """Replace a parameter all-gather by ``collectives.all_gather`` in pieces: the calls where it
+    was issued, their waits and the concatenation where it was waited on; returns the calls."""
+    (wait,) = node.users
+    present = set(graph.nodes)
+    result = splice_traced(graph, lambda part: all_gather(part, group, piece_bytes), [node.args[0]], after=node)
+    added = [n for n in graph.nodes if n not in present]
+    calls = [n for n in added if n.op == "call_function" and n.target is ALL_TO_ALL]
+    for call in calls:
+        call.meta[PARAMETER_GATHER] = calls[0]
+    first_wait = next(i for i, n in enumerate(added) if n.target is WAIT)
+    for received in added[first_wait:]:  # in order, each just before the all-gather's own wait
+        wait.prepend(received)
+    wait.replace_all_uses_with(result)
+    graph.erase_node(wait)
+    graph.erase_node(node)
+    return len(calls)
 
 
 __all__ = ["send_in_pieces"]
