@@ -106,12 +106,30 @@ def kind_strip(path: Path, edges: np.ndarray) -> str:
     """What a rank's time meter said it was doing at each bin's middle (``timing.py``'s trace:
     ``=`` compute, other collectives' waits included; ``c`` GIFT's codec; ``w`` waiting for a
     gradient collective; blank: between steps, the optimizer and logging)."""
-    rows = [line.split() for line in path.read_text().splitlines()]
+    rows = [row for row in (line.split() for line in path.read_text().splitlines()) if row[1] in KIND_MARKS]  # not the marks
     times = np.array([float(t) for t, _ in rows])
     kinds = [kind for _, kind in rows]
     middles = (edges[:-1] + edges[1:]) / 2
     at = np.searchsorted(times, middles, side="right") - 1
     return "".join(KIND_MARKS[kinds[i]] if i >= 0 else " " for i in at)
+
+
+def backward_marks(paths: list[Path]) -> np.ndarray:
+    """The wall times at which any rank's graph reached its first backward node, sorted
+    (``timing.mark``; graph_trainer's joint graph with GIFT's passes)."""
+    rows = [line.split() for path in paths for line in path.read_text().splitlines()]
+    return np.sort(np.array([float(t) for t, label in rows if label == "backward"]))
+
+
+def phases(times: np.ndarray, carried: np.ndarray, start: float, end: float, backward: np.ndarray, link_bytes_s: float) -> tuple | None:
+    """``(forward s, its wire s, backward s, its wire s)`` of one step: the backward (and the
+    optimizer after it) starts at the step's first backward mark; None without one (fp32 runs
+    no GIFT pass, so no marks)."""
+    inside = backward[(backward >= start) & (backward < end)]
+    if not len(inside):
+        return None
+    at = np.interp([start, inside[0], end], times, carried)
+    return inside[0] - start, (at[1] - at[0]) / link_bytes_s, end - inside[0], (at[2] - at[1]) / link_bytes_s
 
 
 def trace(link: ShapedLink, mode: str, variant: str, rate_mbit: float, steps: int, workdir: Path, port: int,
@@ -131,23 +149,27 @@ def trace(link: ShapedLink, mode: str, variant: str, rate_mbit: float, steps: in
     timed = ends[2:]  # the first two steps compile
     link_bytes_s = rate_mbit * 1e6 / 8
     bin_s = bin_ms / 1000
+    tick_files = sorted(ticks.parent.glob(ticks.name + ".*"))
+    backward = backward_marks(tick_files)
     directions = {}
     for side, path in enumerate(samples):
         times, carried = load(path)
-        splits, strips = [], []
+        splits, strips, step_phases = [], [], []
         for start, end in zip(timed, timed[1:]):
             edges = np.arange(start, end + bin_s / 2, bin_s)
             rates = bin_rates(times, carried, edges)
             splits.append(split_step(rates, bin_s, link_bytes_s))
             strips.append(strip(rates, link_bytes_s))
+            step_phases.append(phases(times, carried, start, end, backward, link_bytes_s))
         window = np.arange(timed[0], timed[-1], bin_s)
         directions[f"node {side} -> {1 - side}"] = {
             "splits": splits,
+            "phases": [p for p in step_phases if p is not None],
             "strip": "|".join(strips[:2]) + "|",
             "curve": (window[:-1] - timed[0], bin_rates(times, carried, window) / link_bytes_s),
         }
     kinds = {f"rank pid {path.suffix[1:]}": "|".join(kind_strip(path, np.arange(a, b + bin_s / 2, bin_s)) for a, b in zip(timed[:2], timed[1:3])) + "|"
-             for path in sorted(ticks.parent.glob(ticks.name + ".*"))}
+             for path in tick_files}
     return {"step_s": step_s, "ends": [t - timed[0] for t in timed], "directions": directions, "kinds": kinds}
 
 
@@ -170,6 +192,16 @@ def report(traces: dict[str, dict], mode: str, rate_mbit: float, bin_ms: float) 
             lines.append(f"| {variant} | {direction} | {m.step_s:.2f} | {m.wire_s:.2f} | {unused:.2f} | {m.idle_s:.2f} | "
                          f"{m.slow_s:.2f} | {m.idle_s / unused:.0%} |" if unused > 0 else
                          f"| {variant} | {direction} | {m.step_s:.2f} | {m.wire_s:.2f} | {unused:.2f} | - | - | - |")
+    lines += ["", "Forward and backward (means): the backward, with the optimizer after it, starts where the first rank "
+              "reached its graph's first backward node (fp32 runs no GIFT pass: not split); each phase's wire is the bytes "
+              "it carried / the link's rate. A phase whose wire is close to its length waits on the link; one whose wire "
+              "is far below it waits on compute.", "",
+              "| variant | direction | forward s | its wire s | backward s | its wire s |", "|---|---|---|---|---|---|"]
+    for variant, traced in traces.items():
+        for direction, data in traced["directions"].items():
+            if data["phases"]:
+                f, fw, b, bw = (statistics.fmean(p[i] for p in data["phases"]) for i in range(4))
+                lines.append(f"| {variant} | {direction} | {f:.2f} | {fw:.2f} | {b:.2f} | {bw:.2f} |")
     lines += ["", f"The first two timed steps, one character per {bin_ms:g} ms bin (`#` full, `+` partly used, `.` idle; "
               "`|` a step's end, when rank 0 logged it):", ""]
     lines += [f"Below each, what each rank's time meter said it was doing (`=` compute, the parameter all-gathers' waits "

@@ -38,17 +38,28 @@ KINDS = ("codec", "wait", "compute")
 
 _TRACE = os.environ.get("GIFT_TIME_TRACE")
 """A path: every host tick of this process is appended to ``<path>.<pid>`` as its wall time
-and the kind it opens (``benchmarks/link_trace.py`` lines them up with the link's counters)."""
+and the kind it opens (``end`` where a step ends), and every :func:`mark` as its label
+(``benchmarks/link_trace.py`` lines them up with the link's counters)."""
 _trace_file = None
 
 
-def _trace(kind: str | None) -> None:
+def _trace(label: str) -> None:
     global _trace_file
     if _trace_file is None:
         _trace_file = open(f"{_TRACE}.{os.getpid()}", "a", buffering=1 << 16)  # noqa: SIM115 (open for the process's life)
-    _trace_file.write(f"{time.time():.6f} {kind or 'end'}\n")
-    if kind is None:
+    _trace_file.write(f"{time.time():.6f} {label}\n")
+    if label == "end":
         _trace_file.flush()  # once a step: a rank may end without closing it
+
+
+def mark(label: str) -> None:
+    """A named point of the step (where the backward starts) in the ``GIFT_TIME_TRACE`` trace;
+    nothing without one. Not a tick: the meter's segments go on."""
+    if _TRACE:
+        _trace(label)
+
+
+torch.fx.node.has_side_effect(mark)
 
 
 @dataclass
@@ -78,7 +89,7 @@ class StepTimer:
             if self._last is not None:
                 self._add(self._kind, now - self._last, counted)
             if _TRACE:
-                _trace(kind)
+                _trace(kind or "end")
         self._last, self._kind = (now, kind) if kind is not None else (None, None)
         if kind is None:
             self.steps += 1
@@ -206,4 +217,4 @@ def _(received, namespace):
 torch.fx.node.has_side_effect(torch.ops.gift.timed_wait.default)
 
 
-__all__ = ["KINDS", "StepTimer", "codec_section", "tick", "timed_step", "timed_waits_namespace", "timer"]
+__all__ = ["KINDS", "StepTimer", "codec_section", "mark", "tick", "timed_step", "timed_waits_namespace", "timer"]

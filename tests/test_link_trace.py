@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from link_trace import bin_rates, kind_strip, split_step, strip
+from link_trace import bin_rates, kind_strip, phases, split_step, strip
 
 RATE = 1_000_000.0  # bytes/s
 
@@ -37,6 +37,18 @@ def test_unused_link_time_splits_into_idle_and_slow_bins():
 def test_kind_strip_reads_what_the_time_meter_said_at_each_bin(tmp_path):
     # timing.py's trace: wall time and the kind each tick opens ("end": the step closed)
     trace = tmp_path / "ticks.123"
-    trace.write_text("10.000 compute\n10.021 codec\n10.039 wait\n10.050 end\n")
+    trace.write_text("10.000 compute\n10.021 codec\n10.030 backward\n10.039 wait\n10.050 end\n")  # a mark is no kind
     edges = np.arange(10.0, 10.06 + 0.005, 0.01)
     assert kind_strip(trace, edges) == "==ccw "
+
+
+def test_the_backward_starts_at_the_steps_first_backward_mark():
+    # 0.2 s of forward at the link's rate, then 0.1 s of backward carrying a quarter of it; the
+    # first backward mark at 0.2 s (the other rank's came later) splits the step there (the one at
+    # -0.05 s is the step before's).
+    times, carried = counter([(0.2, 1.0), (0.1, 0.25)])
+    marks = np.array([-0.05, 0.2, 0.21])
+    forward, forward_wire, backward, backward_wire = phases(times, carried, 0.0, 0.3, marks, RATE)
+    assert (forward, backward) == pytest.approx((0.2, 0.1))
+    assert (forward_wire, backward_wire) == pytest.approx((0.2, 0.025))
+    assert phases(times, carried, 0.0, 0.3, np.array([]), RATE) is None  # fp32: no GIFT pass, no marks

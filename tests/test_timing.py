@@ -52,11 +52,16 @@ def test_ticks_mark_every_change_of_kind():
     wait = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (comm,))
     out = graph.call_function(torch.ops.aten.add.Tensor, (wait, y))  # compute again
     graph.output(out)
+    for node in (codec, comm, wait, out):  # graph_trainer's joint graph: the backward's nodes say so
+        node.meta["autograd_backward"] = True
     assert time_meter.instrument(graph, "ns") == 5
     kinds = [n.args[1] for n in graph.nodes if n.target is timing.tick]
     assert kinds == ["compute", "codec", "wait", "compute", None]
     order = [n for n in graph.nodes if n.op == "call_function"]
     assert order.index(wait) == order.index(comm) + 2  # a tick between the collective and its wait
+    # one mark, right before the first backward node (for the trace; not a tick)
+    marks = [i for i, n in enumerate(order) if n.target is timing.mark]
+    assert [order[i].args for i in marks] == [("backward",)] and order[marks[0] + 1] is codec
 
 
 def test_a_trace_records_each_tick_with_its_wall_time(monkeypatch, tmp_path):
@@ -69,9 +74,11 @@ def test_a_trace_records_each_tick_with_its_wall_time(monkeypatch, tmp_path):
     monkeypatch.setattr(timing, "_trace_file", None)
     before = time.time()
     t = timing.StepTimer()
-    for kind in ("compute", "wait", None):  # the step's end flushes the file
+    t.tick("compute")
+    timing.mark("backward")  # a named point: written, and the segment goes on
+    for kind in ("wait", None):  # the step's end flushes the file
         t.tick(kind)
     rows = [line.split() for line in (tmp_path / f"ticks.{os.getpid()}").read_text().splitlines()]
-    assert [kind for _, kind in rows] == ["compute", "wait", "end"]
+    assert [label for _, label in rows] == ["compute", "backward", "wait", "end"]
     times = [float(when) for when, _ in rows]
-    assert before - 1e-3 <= times[0] <= times[1] <= times[2] <= time.time() + 1e-3
+    assert before - 1e-3 <= times[0] <= times[1] <= times[2] <= times[3] <= time.time() + 1e-3

@@ -7,7 +7,7 @@ import torch
 from torch import fx
 
 from gift_compile.passes.overlap import GRADIENT_COMM, WAIT
-from gift_compile.timing import tick
+from gift_compile.timing import mark, tick
 
 CODEC = "gift_codec"
 """``node.meta`` key the GIFT pass sets on every node it adds."""
@@ -26,7 +26,9 @@ def kind_of(node: fx.Node, gradient_waits: set[fx.Node]) -> str:
 
 def instrument(graph: fx.Graph, namespace: str) -> int:
     """Insert a ``tick`` before every node whose kind differs from the previous node's, and at
-    the end; returns the number of ticks. For graphs that run as ordered (not through Inductor)."""
+    the end, and a ``mark("backward")`` before the first backward node of a joint graph
+    (graph_trainer's ``autograd_backward`` meta); returns the number of ticks. For graphs that
+    run as ordered (not through Inductor)."""
     waits = gradient_waits(graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     device = next((n.meta["val"].device for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)), None)
@@ -39,6 +41,10 @@ def instrument(graph: fx.Graph, namespace: str) -> int:
             with graph.inserting_before(node):
                 graph.call_function(tick, (namespace, kind, device))
             ticks, previous = ticks + 1, kind
+    first_backward = next((n for n in graph.nodes if n.meta.get("autograd_backward")), None)
+    if first_backward is not None:
+        with graph.inserting_before(first_backward):
+            graph.call_function(mark, ("backward",))
     return ticks
 
 
