@@ -158,7 +158,20 @@ def _parameter_gathers(rank: int, world: int) -> dict:
         elif node.target is torch.ops.aten.mm.default:
             order.append("mm")
     got, want = split(x, p0, p1), whole(x, p0, p1)
+
+    def reads_the_bucket(x, p0):  # a node reading the out buffer itself, not through the wait
+        bucket = torch.empty(world * p0.numel())
+        gathered = c10d.all_gather_into_tensor_out(p0, world, group_name, out=bucket)
+        return c10d.wait_tensor(gathered) * 2, bucket + 1
+
+    aliased = make_fx(reads_the_bucket)(x, p0)
+    # make_fx reads a tensor through the last node that wrote it (the wait): point ``bucket + 1``
+    # at the buffer's own node, as a hand-built graph might
+    (add,) = aliased.graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)
+    (bucket,) = aliased.graph.find_nodes(op="call_function", target=torch.ops.aten.empty.memory_format)
+    add.replace_input_with(add.args[0], bucket)
     return {
+        "aliased_left_whole": send_in_pieces(aliased.graph, 0, 128) == 0,
         "added": added,
         "order": order,
         "prefetched": (prefetched_before, prefetched_all_gathers(split.graph)),
@@ -180,3 +193,6 @@ def test_parameter_all_gathers_travel_in_pieces_where_they_were_issued_and_waite
         assert result["prefetched"] == (1, 1) and result["gradient_waits_moved"] == 0
         # Bit for bit what the one call gave, and what gloo's own all-gather gives.
         assert result["same"] and result["gathered_as_gloo_does"]
+        # Where a node reads the bucket buffer itself, the pieces (which gather elsewhere) would
+        # leave it unfilled: that all-gather stays one call.
+        assert result["aliased_left_whole"]

@@ -69,7 +69,7 @@ def send_in_pieces(graph: fx.Graph, piece_bytes: int, parameter_piece_bytes: int
             _split(graph, node, dist.get_world_size(group), pieces, group.group_name)
             added += pieces - 1
     for node in list(graph.find_nodes(op="call_function", target=ALL_GATHER_OUT)):
-        if node.meta.get(GRADIENT_COMM) or not waited_once(node):
+        if node.meta.get(GRADIENT_COMM) or not waited_once(node) or not _bucket_read_through_wait(node):
             continue
         group = _resolve_process_group(call_arguments(node)["group_name"])
         if all_gather_pieces(node.args[0].meta["val"], group, parameter_piece_bytes) > 1:
@@ -84,6 +84,15 @@ def _splittable(node: fx.Node) -> bool:
     if not node.meta.get(GRADIENT_COMM) or STATISTICS in node.meta or GRADIENT_STATISTICS in node.meta:
         return False
     return waited_once(node) and equal_chunks(node)
+
+
+def _bucket_read_through_wait(gather: fx.Node) -> bool:
+    """Nothing reads the all-gather's ``out`` buffer but the all-gather (its input may be a view
+    of it): the gathered values are read only through the wait, which the split replaces. A
+    node reading the buffer itself would see it unfilled once the pieces gather elsewhere."""
+    bucket = call_arguments(gather)["out"]
+    part = gather.args[0]
+    return all(user is gather or (user is part and set(part.users) == {gather}) for user in bucket.users)
 
 
 def _split(graph: fx.Graph, node: fx.Node, world: int, pieces: int, group_name: str) -> None:
