@@ -165,8 +165,8 @@ class GiftConfig:
     """gloo, graph_trainer's FSDP only: send each parameter all-gather of the forward (torchtitan's
     per-block buckets) as calls of at most this many KiB per rank, issued and waited where the
     all-gather was (``passes/pieces.py``). On a slow link gloo moves those all-gathers at 70-80% of
-    its rate and pieces at ~100% (FSDP at 50 Mbit/s: 2.71 against 3.06 s/step); from 1 Gbit/s up the
-    calls' fixed cost makes them slower (0.47 against 0.40 s/step), so it is off (0) by default."""
+    its rate and pieces at ~100% (FSDP FP8 at 50 Mbit/s: 2.74 against 3.08 s/step); from 1 Gbit/s up
+    the calls' fixed cost makes the step slower (0.56 against 0.51 s/step), so it is off (0) by default."""
 
     bucket: bool = True
     """Graph routes: send the quantized gradients of the Linear layers of one child module of a
