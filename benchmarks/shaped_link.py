@@ -88,8 +88,9 @@ VARIANTS.update({f"{name}_unbucketed": [*VARIANTS[name], *UNBUCKETED] for name i
 VARIANTS.update({f"{name}_whole": [*VARIANTS[name], "--gift.wire_piece_kib", "0"] for name in ("fp8", "gift")})
 VARIANTS.update({f"{name}_piece{kib}": [*VARIANTS[name], "--gift.wire_piece_kib", str(kib)]
                  for name in ("fp8", "gift") for kib in (128, 512, 2048)})
-# graph_trainer's FSDP parameter all-gathers in 128 KiB pieces too (config.parameter_piece_kib; off by default)
-VARIANTS.update({f"{name}_params128": [*VARIANTS[name], "--gift.parameter_piece_kib", "128"] for name in ("fp8", "gift")})
+# graph_trainer's FSDP parameter all-gathers in 128 KiB pieces, or in one call each (config.parameter_piece_kib;
+# the default, "auto", probes the link at start-up)
+VARIANTS.update({f"{name}_params{kib}": [*VARIANTS[name], "--gift.parameter_piece_kib", str(kib)] for name in ("fp8", "gift") for kib in (0, 128)})
 VARIANTS["gift_bf16_stats"] = [*VARIANTS["gift"], "--gift.stats_dtype", "bf16"]
 VARIANTS["gift_fp4_bf16_stats"] = [*VARIANTS["gift_fp4"], "--gift.stats_dtype", "bf16"]
 # GIFT with a part switched off, to see what each costs: no per-step statistics (the sketch, its

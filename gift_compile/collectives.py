@@ -22,6 +22,7 @@ eagerly, is traced by ``make_fx`` into a graph the GIFT pass splices in, and com
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -151,6 +152,39 @@ def all_to_all_in_pieces(x: torch.Tensor, world: int, pieces: int, group_name: s
     splits = [[part.numel() // world] * world for part in parts]
     sent = [c10d.all_to_all_single(part, split, split, group_name) for part, split in zip(parts, splits)]
     return torch.cat([received(s).reshape(world, -1) for s in sent], dim=1).reshape(x.shape)  # a row per sender
+
+
+SLOW_LINK_MBIT = 300.0
+"""``parameter_piece_kib = "auto"`` sends pieces where one 1 MiB ``all_to_all`` moves slower than
+this (Mbit/s per direction). Gloo moves one large call at about half a slow link's rate, so
+this parts links of 200 Mbit/s and less (pieces pay or cost nothing) from 1 Gbit/s and more
+(their per-call cost shows); docs/design.md §10 has the probe's readings on the shaped link."""
+AUTO_PIECE_KIB = 128
+PROBE_BYTES = 1 << 20
+
+
+def one_call_mbit(group: dist.ProcessGroup, nbytes: int = PROBE_BYTES) -> float:
+    """Mbit/s per direction of one ``all_to_all`` of ``nbytes`` per destination on ``group``, as
+    the slowest rank timed it: every rank returns the same number (a collective; call it on all)."""
+    world = _world(group)
+    sent = torch.zeros(world * nbytes, dtype=torch.uint8)
+    arrived = torch.empty_like(sent)
+    dist.all_to_all_single(arrived[:world], sent[:world], group=group)  # connections up, untimed
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    dist.all_to_all_single(arrived, sent, group=group)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return nbytes * 8 / elapsed.item() / 1e6
+
+
+def parameter_piece_kib_for(group: dist.ProcessGroup) -> tuple[int, float | None]:
+    """``parameter_piece_kib = "auto"`` resolved on ``group``: ``(piece KiB, the probe's Mbit/s)``;
+    ``(0, None)`` off gloo (NCCL pipelines a large message itself) or on one rank."""
+    if dist.get_backend(group) != "gloo" or _world(group) < 2:
+        return 0, None
+    rate = one_call_mbit(group)
+    return (AUTO_PIECE_KIB if rate < SLOW_LINK_MBIT else 0), rate
 
 
 def all_gather_pieces(x: torch.Tensor, group: dist.ProcessGroup, piece_bytes: int) -> int:

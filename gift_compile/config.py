@@ -161,12 +161,14 @@ class GiftConfig:
     (``passes/pieces.py``, ``collectives.all_to_all_in_pieces``). 0 sends each message in one
     call. Every route: the graph routes' traced collectives and the standard trainer's eager ones."""
 
-    parameter_piece_kib: int = 0
+    parameter_piece_kib: int | Literal["auto"] = "auto"
     """gloo, graph_trainer's FSDP only: send each parameter all-gather of the forward (torchtitan's
     per-block buckets) as calls of at most this many KiB per rank, issued and waited where the
-    all-gather was (``passes/pieces.py``). On a slow link gloo moves those all-gathers at 70-80% of
-    its rate and pieces at ~100% (FSDP FP8 at 50 Mbit/s: 2.74 against 3.08 s/step); from 1 Gbit/s up
-    the calls' fixed cost makes the step slower (0.56 against 0.51 s/step), so it is off (0) by default."""
+    all-gather was (``passes/pieces.py``); 0: one call each. On a slow link gloo moves those
+    all-gathers at 70-80% of its rate and pieces at ~100% (FSDP FP8 at 50 Mbit/s: 2.74 against 3.08
+    s/step); from 1 Gbit/s up the calls' fixed cost makes the step slower (0.56 against 0.51 s/step).
+    ``"auto"``: the job times one ``all_to_all`` on the FSDP group at start-up and sends pieces of
+    128 KiB below ``collectives.SLOW_LINK_MBIT``, one call above (the log says which)."""
 
     bucket: bool = True
     """Graph routes: send the quantized gradients of the Linear layers of one child module of a
@@ -247,7 +249,11 @@ class GiftConfig:
                      "fallback_patience", "fallback_retry"):
             _check_int(name, getattr(self, name))
         _check_int("wire_piece_kib", self.wire_piece_kib, minimum=0)
-        _check_int("parameter_piece_kib", self.parameter_piece_kib, minimum=0)
+        if self.parameter_piece_kib != "auto":
+            try:
+                _check_int("parameter_piece_kib", self.parameter_piece_kib, minimum=0)
+            except ValueError as error:
+                raise ValueError(f'{error} or "auto"') from None
         for name in ("low_rank", "stats_max_tokens", "auto_max_layers"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))

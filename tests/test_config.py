@@ -29,7 +29,8 @@ def test_defaults_are_valid_and_frozen():
         ("stats_max_tokens", 2**40, "integer in"),
         ("wire_piece_kib", -1, r"integer in \[0, 2147483647\]"),  # 0 (one call per message) is valid
         ("wire_piece_kib", 64.0, "integer in"),
-        ("parameter_piece_kib", -1, r"integer in \[0, 2147483647\]"),
+        ("parameter_piece_kib", -1, r'integer in \[0, 2147483647\] or "auto"'),
+        ("parameter_piece_kib", "fast", r'integer in \[0, 2147483647\] or "auto"'),
         ("damping", -1.0, "number in"),
         ("damping", True, "number in"),
         ("damping", 1e-300, r"number in \[1e-08, 1000\)"),  # gave NaN factors on a zero input
@@ -57,6 +58,7 @@ def test_invalid_values_name_the_field(field, value, message):
 def test_the_bounds_themselves_are_valid():
     assert GiftConfig(fallback_retry=2**31 - 1, meter_interval=2**31 - 1, damping=1e-8).fallback_retry == 2**31 - 1
     assert GiftConfig(wire_piece_kib=0).wire_piece_kib == 0
+    assert GiftConfig().parameter_piece_kib == "auto" and GiftConfig(parameter_piece_kib=0).parameter_piece_kib == 0
     assert GiftConfig(layers=["auto"]).layers == "auto" and GiftConfig(layers=[]).layers == ()
 
 

@@ -188,3 +188,40 @@ def test_every_run_trains_on_the_asked_batch_and_a_table_merges_only_its_own_bat
     assert table_to_merge(saved, LOCAL_BATCH)["compute_s"] == 1.0
     with pytest.raises(ValueError, match="measured with --local-batch-size 2, this run asks for 8"):
         table_to_merge(saved, 8)
+
+
+PROBE = """
+import json, os, sys
+import torch.distributed as dist
+from gift_compile.collectives import parameter_piece_kib_for
+rank, address, port, device = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+os.environ["GLOO_SOCKET_IFNAME"] = device
+dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank, world_size=2)
+print(json.dumps(parameter_piece_kib_for(dist.group.WORLD)))
+dist.destroy_process_group()
+"""
+
+
+def probe(link: ShapedLink, port: int) -> list:
+    procs = [subprocess.Popen(link.command(side, [sys.executable, "-c", PROBE, str(side), link.addresses[0], str(port), link.devices[side]]),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for side in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+
+
+@needs_root
+def test_auto_parameter_pieces_follow_the_links_rate():
+    # parameter_piece_kib = "auto" times one 1 MiB all_to_all. At 50 Mbit/s gloo moves it at
+    # ~25 Mbit/s (half the link: gloo_link.md), far below SLOW_LINK_MBIT (300): 128 KiB pieces.
+    # On the unshaped veth the same call takes ~1-3 ms (several Gbit/s): one call each. Both
+    # ranks decide alike, as they must (the slowest rank's time, all-reduced).
+    with ShapedLink("903") as link:
+        link.shape(50)
+        slow = probe(link, 5903)
+        link.shape(None)
+        fast = probe(link, 5904)
+    assert slow[0] == slow[1] and fast[0] == fast[1]
+    (kib, rate), (fast_kib, fast_rate) = slow[0], fast[0]
+    assert kib == 128 and 5 < rate < 60, rate
+    assert fast_kib == 0 and fast_rate > 300, fast_rate

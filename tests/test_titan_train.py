@@ -112,6 +112,10 @@ def test_overlap_and_the_time_meter_reach_the_final_graph_and_the_metrics(runs):
     assert FSDP_BUCKETING_PASS in applied
     prefetched = [int(m) for m in re.findall(r"(\d+) parameter all-gathers prefetched", first.log)]
     assert prefetched and min(prefetched) > 0
+    # parameter_piece_kib = "auto" (the default) timed the FSDP group's link at start-up and said
+    # what it chose (on loopback, several Gbit/s: one call each; tests/test_shaped_link.py has both)
+    assert re.search(r"GIFT: one 1 MiB all_to_all on the FSDP group moved at \d+ Mbit/s per direction: "
+                     r"parameter all-gathers (in one call each|in 128 KiB pieces)", first.log)
     # the whitened layers' statistics are summed on a group of their own ([gift] stats_group = "own"),
     # never queued with the all-gathers and gradients: every one, in the graph after the switch
     own, statistics = map(int, re.findall(r"(\d+) of (\d+) statistics all-reduces on a group of their own", first.log)[-1])

@@ -287,11 +287,12 @@ def gift_overlap_pass(gm: fx.GraphModule, example_inputs=None, *, namespace: str
     graph_trainer runs the joint graph as ordered), then put the time meter's ticks in
     (``timing.py``)."""
     ctx = get_pass_context(namespace)
-    pieces = send_in_pieces(gm.graph, ctx.config.wire_piece_kib * 1024, ctx.config.parameter_piece_kib * 1024)
+    # "auto" is resolved by the session, with a collective at start-up; a pass run without one splits nothing
+    parameter_kib = ctx.config.parameter_piece_kib if ctx.config.parameter_piece_kib != "auto" else 0
+    pieces = send_in_pieces(gm.graph, ctx.config.wire_piece_kib * 1024, parameter_kib * 1024)
     if pieces:
         log.info("GIFT pieces: %d more collectives per step, each gradient message at most %d KiB per destination, "
-                 "each parameter all-gather at most %s KiB per rank", pieces, ctx.config.wire_piece_kib,
-                 ctx.config.parameter_piece_kib or "any")
+                 "each parameter all-gather at most %s KiB per rank", pieces, ctx.config.wire_piece_kib, parameter_kib or "any")
     if ctx.config.overlap:
         ctx.accounting.overlapped = overlap_gradient_collectives(gm.graph)
         log.info("GIFT overlap: %d gradient waits now come after a later gradient collective's issue", ctx.accounting.overlapped)
