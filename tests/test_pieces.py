@@ -171,6 +171,7 @@ def _parameter_gathers(rank: int, world: int) -> dict:
     (bucket,) = aliased.graph.find_nodes(op="call_function", target=torch.ops.aten.empty.memory_format)
     add.replace_input_with(add.args[0], bucket)
     return {
+        "auto_on_loopback": collectives.parameter_piece_kib_for(dist.group.WORLD),
         "aliased_left_whole": send_in_pieces(aliased.graph, 0, 128) == 0,
         "added": added,
         "order": order,
@@ -182,7 +183,9 @@ def _parameter_gathers(rank: int, world: int) -> dict:
 
 
 def test_parameter_all_gathers_travel_in_pieces_where_they_were_issued_and_waited():
-    for result in run_on_ranks(_parameter_gathers, 2):
+    results = run_on_ranks(_parameter_gathers, 2)
+    assert results[0]["auto_on_loopback"] == results[1]["auto_on_loopback"]  # every rank chooses alike
+    for result in results:
         # Each parameter's 400 bytes go to every rank in 4 calls of at most 128 bytes (all_to_alls:
         # collectives.all_gather on gloo), 8 calls where there were 2.
         assert result["added"] == 6
@@ -196,3 +199,8 @@ def test_parameter_all_gathers_travel_in_pieces_where_they_were_issued_and_waite
         # Where a node reads the bucket buffer itself, the pieces (which gather elsewhere) would
         # leave it unfilled: that all-gather stays one call.
         assert result["aliased_left_whole"]
+        # parameter_piece_kib = "auto" on loopback: one 1 MiB all_to_all takes ~1-3 ms (several
+        # Gbit/s), far above SLOW_LINK_MBIT (300): one call each (the slow branch, on a shaped
+        # link: tests/test_shaped_link.py).
+        kib, rate = result["auto_on_loopback"]
+        assert kib == 0 and rate > 300, rate

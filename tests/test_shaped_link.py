@@ -211,17 +211,14 @@ def probe(link: ShapedLink, port: int) -> list:
 
 
 @needs_root
-def test_auto_parameter_pieces_follow_the_links_rate():
+def test_auto_parameter_pieces_on_a_slow_link():
     # parameter_piece_kib = "auto" times one 1 MiB all_to_all. At 50 Mbit/s gloo moves it at
-    # ~25 Mbit/s (half the link: gloo_link.md), far below SLOW_LINK_MBIT (300): 128 KiB pieces.
-    # On the unshaped veth the same call takes ~1-3 ms (several Gbit/s): one call each. Both
-    # ranks decide alike, as they must (the slowest rank's time, all-reduced).
+    # ~25 Mbit/s (half the link: gloo_link.md), far below SLOW_LINK_MBIT (300): 128 KiB pieces,
+    # chosen alike on both ranks (the slowest rank's time, all-reduced). The fast branch (one
+    # call each) is checked on loopback in tests/test_pieces.py.
     with ShapedLink("903") as link:
         link.shape(50)
-        slow = probe(link, 5903)
-        link.shape(None)
-        fast = probe(link, 5904)
-    assert slow[0] == slow[1] and fast[0] == fast[1]
-    (kib, rate), (fast_kib, fast_rate) = slow[0], fast[0]
+        results = probe(link, 5903)
+    assert results[0] == results[1]
+    kib, rate = results[0]
     assert kib == 128 and 5 < rate < 60, rate
-    assert fast_kib == 0 and fast_rate > 300, fast_rate
