@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from gift_compile import fsdp, timing
-from gift_compile.collectives import WireFormat, bytes_sent, match_statistics_timeouts, parameter_piece_kib_for, separate_statistics_group
+from gift_compile.collectives import (
+    PROBE_BYTES, WireFormat, bytes_sent, match_statistics_timeouts, parameter_piece_kib_for, separate_statistics_group,
+)
 from gift_compile.config import GiftConfig
 from gift_compile.runtime import GiftRuntime, register_runtime
 from gift_compile.selection import linear_weight_shapes, select_layers
@@ -82,8 +84,8 @@ def resolve_parameter_pieces(config: GiftConfig, dims, route: str) -> GiftConfig
     fsdp = dims.get_optional_mesh("fsdp") if route == "graph" else None
     kib, rate = parameter_piece_kib_for(fsdp.get_group()) if fsdp is not None else (0, None)
     if rate is not None:
-        log.info("GIFT: one 1 MiB all_to_all on the FSDP group moved at %.0f Mbit/s per direction: parameter all-gathers %s "
-                 "(parameter_piece_kib = \"auto\")", rate, f"in {kib} KiB pieces" if kib else "in one call each")
+        log.info("GIFT: one %g MiB all_to_all on the FSDP group moved at %.0f Mbit/s per direction: parameter all-gathers %s "
+                 "(parameter_piece_kib = \"auto\")", PROBE_BYTES / 2**20, rate, f"in {kib} KiB pieces" if kib else "in one call each")
     return config.replace(parameter_piece_kib=kib)
 
 
