@@ -186,63 +186,84 @@ def test_warm_cache_in_a_new_process_still_matches(cold_run, cache_root):
         assert result["worst"]["weight"] == 0.0 and result["fc2"]["stats_bytes"] > 0
 
 
-def stacked_steps(rank, world, cache_root, layers, field="bucket", values=(True, False), block=MLPBlock, blocks=3, steps=3):
+def stacked_steps(rank, world, cache_root, layers, variants, block=MLPBlock, blocks=3, steps=3):
     """Blocks ``layers.i`` with ``layers`` whitened and the other on Euclidean FP8, trained from the
-    same start once per value of config ``field`` (by default: each block's gradients bucketed,
-    and one collective per gradient); per value, the gradients of each step and the collectives."""
+    same start once per variant (a name and its config overrides); per variant, the gradients of
+    each step and the collectives the pass issued."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_root
     grads, calls = {}, {}
-    for value in values:
+    for name, overrides in variants.items():
         torch.manual_seed(0)
         model = Stack(block, blocks)
-        backend = gift_backend(CONFIG.replace(layers=layers, **{field: value}), name=f"stack-{'-'.join(layers)}-{field}-{value}")
+        backend = gift_backend(CONFIG.replace(layers=layers, **overrides), name=f"stack-{'-'.join(layers)}-{name}")
         compiled = torch.compile(replicate(model), backend=backend, fullgraph=True)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        grads[value] = []
+        grads[name] = []
         for step in range(steps):
             compiled(batch(step, rank, width=model.layers[0].fc1.in_features)).square().mean().backward()
-            grads[value].append({name: p.grad.clone() for name, p in model.named_parameters()})
+            grads[name].append({n: p.grad.clone() for n, p in model.named_parameters()})
             optimizer.step()
             optimizer.zero_grad()
-        calls[value] = sum(c for p in backend.passes for c in p.collective_calls)
+        calls[name] = sum(c for p in backend.passes for c in p.collective_calls)
     return grads, calls
 
 
-@pytest.mark.parametrize("layers, fewer", [(("fc2",), 3), (("fc1", "fc2"), 4)])
-def test_bucketed_blocks_deliver_the_same_gradients_in_fewer_collectives(tmp_path, ranks, layers, fewer):
-    # One all_to_all and one all_gather per block carry the bytes each gradient's own would
-    # (passes/bucketing.py), and one fp32 all_reduce the two biases: every gradient the same bit
-    # for bit at every step (the whitened layers with their state and error feedback too; two
-    # ranks add each bias element in one order either way), on both ranks, with three
-    # collectives fewer per block than one per gradient (fc1's and fc2's all_to_all and
-    # all_gather: 4 -> 2; the biases' all_reduce: 2 -> 1). With both layers whitened, their
-    # gradient sketches are summed in one all_reduce too (2 -> 1): four fewer.
-    results = ranks(2).run(stacked_steps, str(tmp_path), layers)
-    for grads, calls in results:
-        for bucketed, alone in zip(grads[True], grads[False]):
-            assert bucketed.keys() == alone.keys()
-            for name in bucketed:
-                assert torch.equal(bucketed[name], alone[name]), name
-        assert calls[False] - calls[True] == fewer * 3
-    for name, grad in results[0][0][True][-1].items():
-        assert torch.equal(grad, results[1][0][True][-1][name]), name  # the ranks agree
+BLOCKS = 3
+WIDE_BLOCK = functools.partial(MLPBlock, 64, 128)
+"""64 -> 128 -> 64: each block's bucket carries fc1's and fc2's 8,192 FP8 codes, so 8 KiB and a
+few scale bytes per destination in its all_to_all and per rank in its all-gather (an all_to_all
+on gloo either way); alone, each gradient's message is half that. Both stay whole at the
+default ``wire_piece_kib`` (128)."""
 
 
-def test_messages_sent_in_pieces_deliver_the_same_gradients(tmp_path, ranks):
-    # Blocks of 64 -> 128 -> 64: each block's bucket carries fc1's and fc2's 8,192 FP8 codes, so
-    # 8 KiB and a few scale bytes per destination in its all_to_all and per rank in its
-    # all-gather (an all_to_all on gloo either way). With wire_piece_kib = 4 each goes in 3 calls
-    # (passes/pieces.py): 4 more per block. The gradients are those of one call per message, bit
-    # for bit, at every step (tests/test_pieces.py compares the all-gather with gloo's own).
-    blocks = 3
-    results = ranks(2).run(stacked_steps, str(tmp_path), ("fc2",), "wire_piece_kib", (4, 0),
-                           functools.partial(MLPBlock, 64, 128), blocks)
+@pytest.fixture(scope="module")
+def fc2_stacks(tmp_path_factory, ranks):
+    """Three wide blocks with ``fc2`` whitened, trained three ways from one start (one compile
+    each, shared by the tests below): one collective per gradient, bucketed per block, and
+    bucketed with every message in 4 KiB pieces."""
+    variants = {"alone": {"bucket": False}, "bucketed": {}, "pieces": {"wire_piece_kib": 4}}
+    return ranks(2).run(stacked_steps, str(tmp_path_factory.mktemp("stacks")), ("fc2",), variants, WIDE_BLOCK, BLOCKS)
+
+
+def assert_same_gradients(grads, a, b):
+    """Every gradient of variant ``a`` equals variant ``b``'s bit for bit, at every step."""
+    for left, right in zip(grads[a], grads[b], strict=True):
+        assert left.keys() == right.keys()
+        for name in left:
+            assert torch.equal(left[name], right[name]), (a, b, name)
+
+
+def assert_bucketed(results, fewer):
     for grads, calls in results:
-        for pieces, whole in zip(grads[4], grads[0]):
-            assert pieces.keys() == whole.keys()
-            for name in pieces:
-                assert torch.equal(pieces[name], whole[name]), name
-        assert calls[4] - calls[0] == 4 * blocks
+        assert_same_gradients(grads, "bucketed", "alone")
+        assert calls["alone"] - calls["bucketed"] == fewer * BLOCKS
+    for name, grad in results[0][0]["bucketed"][-1].items():
+        assert torch.equal(grad, results[1][0]["bucketed"][-1][name]), name  # the ranks agree
+
+
+# One all_to_all and one all_gather per block carry the bytes each gradient's own would
+# (passes/bucketing.py), and one fp32 all_reduce the two biases: every gradient the same bit for
+# bit at every step (the whitened layers with their state and error feedback too; two ranks add
+# each bias element in one order either way), on both ranks, with three collectives fewer per
+# block than one per gradient (fc1's and fc2's all_to_all and all_gather: 4 -> 2; the biases'
+# all_reduce: 2 -> 1).
+def test_bucketed_blocks_deliver_the_same_gradients_in_fewer_collectives(fc2_stacks):
+    assert_bucketed(fc2_stacks, fewer=3)
+
+
+def test_bucketed_blocks_with_both_layers_whitened_sum_their_sketches_together(tmp_path, ranks):
+    # With both layers whitened, their gradient sketches are summed in one all_reduce too (2 -> 1): four fewer.
+    variants = {"alone": {"bucket": False}, "bucketed": {}}
+    assert_bucketed(ranks(2).run(stacked_steps, str(tmp_path), ("fc1", "fc2"), variants), fewer=4)
+
+
+def test_messages_sent_in_pieces_deliver_the_same_gradients(fc2_stacks):
+    # With wire_piece_kib = 4 each block's 8 KiB messages go in 3 calls (passes/pieces.py): 4 more
+    # per block. The gradients are those of one call per message, bit for bit, at every step
+    # (tests/test_pieces.py compares the all-gather with gloo's own).
+    for grads, calls in fc2_stacks:
+        assert_same_gradients(grads, "pieces", "bucketed")
+        assert calls["pieces"] - calls["bucketed"] == 4 * BLOCKS
 
 
 def train_with_checkpoint(rank, world, cache_root):
