@@ -192,13 +192,21 @@ def reduce_received(
     scattered = reduce_scattered(encoded.scatter, incoming, encoded.sent_coords.shape, op, group, wire)
     payload, sent_coords = encoded.payload, encoded.sent_coords
     dropped = [] if encoded.dropped is None else [encoded.dropped]
-    # This rank's round trip, in G's coordinates. Non-finite entries (whitening has already
-    # spread one over its row) are dropped before unwhitening: there the zeroing fuses with the
-    # encoder's pass; after it, it would take a pass over R' of its own.
-    error = unwhiten(finite_or_zero(sent_coords - scattered.sent))
+    # This rank's round trip. Non-finite entries (whitening has already spread one over its
+    # row) are dropped before unwhitening: there the zeroing fuses with the encoder's pass;
+    # after it, it would take a pass over R' of its own.
+    wire_error = finite_or_zero(sent_coords - scattered.sent)
+    if whitening is None:  # T = I: the wire's coordinates are G's, and the encoder has the squared norms already
+        error, squares = wire_error, scattered.stats[2:]
+    else:
+        # In G's coordinates: R' and its squared norm both from the one projection of the wire's
+        # error, and the encoder's own |error|^2, so no pass over R' of its own (a step whose
+        # payload was not finite reports a non-finite error, as the Euclidean path does).
+        projected = whitening.projection(wire_error)
+        error = whitening.unwhiten(wire_error, projected)
+        error_sq = whitening.squared_norm(wire_error, projected, inverse=True, g_squared=scattered.stats[2])
+        squares = torch.stack([error_sq, payload.square().sum()])
     new_residual = error if residual is not None else None
-    # T = I: the wire's coordinates are G's, and the encoder has the squared norms already.
-    squares = scattered.stats[2:] if whitening is None else torch.stack([error.square().sum(), payload.square().sum()])
     stats = [scattered.stats, squares]
 
     if collective == "reduce_scatter":

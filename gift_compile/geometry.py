@@ -93,23 +93,29 @@ class Whitening:
         """``G T``; ``projected``: ``G B`` (:meth:`projection`) where the caller has it already."""
         return _apply(self.layout, self.tensors, g, inverse=False, projected=projected)
 
-    def unwhiten(self, u: torch.Tensor) -> torch.Tensor:
-        return _apply(self.layout, self.tensors, u, inverse=True)
+    def unwhiten(self, u: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """``U T^-1``; ``projected``: ``U B`` where the caller has it already."""
+        return _apply(self.layout, self.tensors, u, inverse=True, projected=projected)
 
     def projection(self, g: torch.Tensor) -> torch.Tensor | None:
         """``G B`` in the low-rank layout (``T = s I + B diag(c) B^T``), the product a whitening and
         :meth:`squared_norm` start from; None for a dense ``T``."""
         return g @ self.tensors["basis"] if self.layout == "lowrank" else None
 
-    def squared_norm(self, g: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
-        """``|G T|^2`` (Frobenius, 0-d), without forming ``G T`` in the low-rank layout: there
-        ``|G T|^2 = s^2 |G|^2 + sum_k (2 s c_k + c_k^2) |G b_k|^2`` (``B`` orthonormal), from
-        ``G B`` alone (``projected`` where the caller has it) instead of a whitening's two products."""
+    def squared_norm(self, g: torch.Tensor, projected: torch.Tensor | None = None, *, inverse: bool = False,
+                     g_squared: torch.Tensor | None = None) -> torch.Tensor:
+        """``|G T|^2`` (Frobenius, 0-d; ``|G T^-1|^2`` with ``inverse``), without forming ``G T`` in
+        the low-rank layout: there ``|G T|^2 = s^2 |G|^2 + sum_k (2 s c_k + c_k^2) |G b_k|^2``
+        (``B`` orthonormal), from ``G B`` alone (``projected`` where the caller has it) instead of
+        a whitening's two products, and ``|G|^2`` (``g_squared`` where the caller has it: then
+        ``G`` is not read at all)."""
         if self.layout != "lowrank":
-            return self.whiten(g).square().sum()
-        scale, coef = self.tensors["scale"], self.tensors["coef"]
+            return (self.unwhiten(g) if inverse else self.whiten(g)).square().sum()
+        suffix = "_inv" if inverse else ""
+        scale, coef = self.tensors["scale" + suffix], self.tensors["coef" + suffix]
         projected = (self.projection(g) if projected is None else projected).square().sum(dim=0)
-        return scale * scale * g.square().sum() + ((2 * scale + coef) * coef * projected).sum()
+        g_squared = g.square().sum() if g_squared is None else g_squared
+        return scale * scale * g_squared + ((2 * scale + coef) * coef * projected).sum()
 
     def matrix(self, inverse: bool = False) -> torch.Tensor:
         """The dense ``T`` (or ``T^-1``); for tests and small ``d`` only."""

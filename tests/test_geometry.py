@@ -219,11 +219,15 @@ def test_or_identity_switches_between_the_transform_and_identity(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 @pytest.mark.parametrize("on", [1.0, 0.0], ids=["whitened", "on its fallback"])
 def test_squared_norm_is_the_norm_of_the_whitened_gradient(case, on):
-    """``squared_norm`` (the residual guard's measure) against ``|G T|^2`` from the dense ``T``
-    in float64. The low-rank identity is exact for an orthonormal basis; the fp32 basis is
+    """``squared_norm`` (the residual guard's measure) against ``|G T|^2`` and ``|G T^-1|^2`` from
+    the dense ``T`` and its inverse in float64. The low-rank identity is exact for an orthonormal basis; the fp32 basis is
     orthonormal to ~1e-7, and the sum of 40 x 24 fp32 squares rounds to ~1e-6 relative."""
     w = factorize(anisotropic_moment(24), damping=1e-2, **case).or_identity(torch.tensor(on))
     for seed in range(3):
         g = torch.randn(40, 24, generator=torch.Generator().manual_seed(seed)) * 10.0**seed
         want = (g.double() @ w.matrix().double()).square().sum()
         assert float(w.squared_norm(g)) == pytest.approx(float(want), rel=1e-5)
+        # |G T^-1|^2 (the residual's norm in G's coordinates, comm.reduce_received), from |G|^2 given
+        want_inverse = (g.double() @ w.matrix(inverse=True).double()).square().sum()
+        given = w.squared_norm(g, w.projection(g), inverse=True, g_squared=g.double().square().sum().float())
+        assert float(given) == pytest.approx(float(want_inverse), rel=1e-5)
