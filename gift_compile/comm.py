@@ -204,7 +204,8 @@ def reduce_received(
         # payload was not finite reports a non-finite error, as the Euclidean path does).
         projected = whitening.projection(wire_error)
         error = whitening.unwhiten(wire_error, projected)
-        error_sq = whitening.squared_norm(wire_error, projected, inverse=True, g_squared=scattered.stats[2])
+        error_sq = (error.square().sum() if projected is None  # a dense T: no projection to start from
+                    else whitening.squared_norm(wire_error, projected, inverse=True, g_squared=scattered.stats[2]))
         squares = torch.stack([error_sq, payload.square().sum()])
     new_residual = error if residual is not None else None
     stats = [scattered.stats, squares]

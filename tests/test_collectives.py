@@ -153,23 +153,24 @@ def test_byte_count_matches_the_message(name):
     assert bytes_sent(x.shape, 4, wire, "all_reduce") == 6 * messages[0].numel()
 
 
-def non_finite_residuals(rank, world, wire, collective):
-    """A whitened reduction with error feedback (both stages) where rank 0's gradient has a NaN,
-    eagerly and compiled: (output, residual, gather residual) of each."""
+def whitened_reductions(rank, world, wire, collective, nan, factorization="lowrank"):
+    """A whitened reduction with error feedback (both stages), rank 0's gradient with a NaN where
+    ``nan``, eagerly and compiled: the ``comm.Reduction`` of each. ``factorization``:
+    ``geometry.factorize``'s (``"symmetric"`` with a rank: a low-rank ``T``; else a dense one)."""
     from gift_compile.comm import gather_residual_shape, quantized_reduce
     from gift_compile.geometry import factorize
 
     g = rank_input((12, 16), rank)
-    if rank == 0:
+    if rank == 0 and nan:
         g[5, 3] = float("nan")
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(7)) * torch.linspace(0.1, 3, 16)
-    whitening = factorize(x.T @ x / 64, factorization="lowrank", rank=4, damping=0.1)
+    whitening = factorize(x.T @ x / 64, factorization=factorization, rank=4, damping=0.1)
     residual = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank)) * 0.01
     gather_residual = torch.zeros(gather_residual_shape((12, 16), None)) if collective == "all_reduce" else None
 
     def reduce(g, residual, gather_residual):
-        r = quantized_reduce(g, whitening, residual, gather_residual, op="avg", group=None, wire=WIRES[wire], collective=collective)
-        return r.output, r.residual, r.gather_residual
+        return tuple(quantized_reduce(g, whitening, residual, gather_residual, op="avg", group=None, wire=WIRES[wire],
+                                      collective=collective))
 
     return [reduce(g, residual, gather_residual), torch.compile(reduce, fullgraph=True)(g, residual, gather_residual)]
 
@@ -181,13 +182,32 @@ def test_a_non_finite_step_leaves_finite_residuals(ranks, wire, collective):
     later step): the sender's scale is NaN, so its whole round trip is dropped (zeros), while
     the other rank's residual is its ordinary, finite error. Eager and compiled alike (the
     compiled codec zeroes in whitened coordinates, inside the encoder's kernel)."""
-    for rank, runs in enumerate(ranks(2).run(non_finite_residuals, wire, collective)):
-        for output, residual, gather_residual in runs:
+    for rank, runs in enumerate(ranks(2).run(whitened_reductions, wire, collective, True)):
+        for output, residual, gather_residual, _ in runs:
             assert not bool(torch.isfinite(output).all())
             assert bool(torch.isfinite(residual).all())
             assert (not bool(residual.any())) if rank == 0 else bool(residual.any())
             if gather_residual is not None:  # every reduced shard holds the NaN: nothing kept
                 assert torch.equal(gather_residual, torch.zeros_like(gather_residual))
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("wire", ["fp8", "fp4_nvfp4"])
+def test_the_reported_error_is_the_residual_norm(ranks, wire, collective):
+    """With a low-rank ``T`` the counters' ``error_sq`` comes from an identity (the wire error's
+    projection and the encoder's own ``|E|^2``, comm.reduce_received), not from ``R'`` itself: it
+    must equal ``|R'|^2`` summed directly, in float64. Bound 1e-4 relative: two fp32 sums of 192
+    squares (~1e-6 each) and an fp32 basis orthonormal to ~1e-7, with ``T^-1``'s coefficients
+    positive here (no cancellation)."""
+    from gift_compile.comm import STATS
+    from gift_compile.geometry import factorize
+
+    assert factorize(torch.eye(16), factorization="symmetric", rank=4, damping=0.1).layout == "lowrank"
+    for runs in ranks(2).run(whitened_reductions, wire, collective, False, "symmetric"):
+        for _, residual, _, stats in runs:
+            direct = float(residual.double().square().sum())
+            assert direct > 0
+            assert float(stats[STATS.index("error_sq")]) == pytest.approx(direct, rel=1e-4)
 
 
 def statistics_groups(rank, world):
