@@ -23,7 +23,7 @@ from gift_compile.comm import Reduction
 from gift_compile.config import GiftConfig
 from gift_compile.counters import LayerCounters, counters_table
 from gift_compile.geometry import Whitening
-from gift_compile.meter import Route
+from gift_compile.meter import PendingReading, Route
 from gift_compile.state import GiftLayerState, GiftState
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,9 @@ class GiftRuntime:
 
     config: GiftConfig
     state: GiftState = field(init=False)
-    counters: dict[str, LayerCounters] = field(default_factory=dict)
+    _counters: dict[str, LayerCounters] = field(default_factory=dict, init=False, repr=False)
+    readings: dict[str, PendingReading] = field(default_factory=dict, init=False, repr=False)
+    """The live meter's readings on their way, by layer (:meth:`settle_reading`)."""
     integration: Any = None
     """What an integration's graph pass needs from its session (torchtitan: ``graph_pass.PassContext``)."""
     agreed: set[tuple[str, str]] = field(default_factory=set)
@@ -45,6 +47,14 @@ class GiftRuntime:
 
     def __post_init__(self) -> None:
         self.state = GiftState(self.config)
+        # A checkpoint holds the effect of every reading taken before it (a fallback, a damping move).
+        self.state.register_state_dict_pre_hook(lambda *_: self.settle_readings())
+
+    @property
+    def counters(self) -> dict[str, LayerCounters]:
+        """Per-layer counters; the readings still on their way are waited for and counted first."""
+        self.settle_readings()
+        return self._counters
 
     def agree(self, group: dist.ProcessGroup, description: str, device: torch.device) -> None:
         """The ranks' check before GIFT's first collective of a graph or group; once per description."""
@@ -68,11 +78,11 @@ class GiftRuntime:
         self.owners[fqn] = weight
 
     def counter(self, fqn: str, path: str) -> LayerCounters:
-        return self.counters.setdefault(fqn, LayerCounters(path))
+        return self._counters.setdefault(fqn, LayerCounters(path))
 
     def table(self) -> str:
         self.report_restarts()
-        return counters_table(self.counters)
+        return counters_table(self._counters)
 
     def report_restarts(self) -> int:
         """Log the layers whose basis or factors were restarted since the last report; returns
@@ -105,6 +115,7 @@ class GiftRuntime:
     def begin_step(self, fqn: str, d_out: int, d_in: int, whitened: bool, layer_input: torch.Tensor, group) -> bool:
         """Create or place the layer's state, refresh periodic factors when due; returns whether
         the layer whitens this step."""
+        self.settle_reading(fqn)  # the last reading decides this step's route and damping
         layer = self.state.layer(fqn, d_out, d_in, layer_input.device, whitened=whitened)
         counter = self.counter(fqn, self.path(whitened))
         if whitened:
@@ -133,21 +144,44 @@ class GiftRuntime:
     ) -> None:
         layer = self.state.layer(fqn)
         counter = self.counter(fqn, self.path(layer.whitened))
-        before = int(layer.fallback_until)
         if layer.meter is not None:
-            reading = layer.meter.after(int(layer.step), reduction.output, reduction.gather_residual)
-            if reading is not None:
-                counter.error_vs_fp8, counter.accumulated_vs_fp8 = reading
-                layer.record_reading(reading)
-                if self.config.adaptive_damping and layer.current_step:
-                    counter.damping = layer.damping
-        if int(layer.fallback_until) != before:
-            counter.fallbacks += 1
+            pending = layer.meter.after(int(layer.step), reduction.output, reduction.gather_residual)
+            if pending is not None:
+                self.readings[fqn] = pending
+                if layer.retry_due_at_this_steps_end():
+                    self.settle_reading(fqn)
         # The gather error is reported without error feedback too (for the meter); the state
         # keeps it only where the layer keeps a gather residual.
         layer.end_step(reduction.residual, reduction.gather_residual, next_basis, next_scale)
-        counter.fallback_until = None if layer.whitening_on() or not layer.whitened else int(layer.fallback_until)
+        self._show_fallback(layer, counter)
         counter.add_step(reduction.stats, bytes_sent, stats_bytes)
+
+    def settle_reading(self, fqn: str) -> None:
+        """Wait for layer ``fqn``'s reading on its way, if any, and act on it as at the step it
+        was taken: the meter's all-reduce travels beside the rest of the backward and is waited
+        for where the reading is first needed (the layer's next step, a retry decided at this
+        step's end, a checkpoint, the counters)."""
+        pending = self.readings.pop(fqn, None)
+        reading = pending.result() if pending is not None else None
+        if reading is None:
+            return
+        layer, counter = self.state.layer(fqn), self._counters[fqn]
+        before = int(layer.fallback_until)
+        counter.error_vs_fp8, counter.accumulated_vs_fp8 = reading
+        layer.record_reading(reading, pending.step)
+        if self.config.adaptive_damping and layer.current_step:
+            counter.damping = layer.damping
+        if int(layer.fallback_until) != before:
+            counter.fallbacks += 1
+        self._show_fallback(layer, counter)
+
+    def settle_readings(self) -> None:
+        for fqn in list(self.readings):
+            self.settle_reading(fqn)
+
+    @staticmethod
+    def _show_fallback(layer: GiftLayerState, counter: LayerCounters) -> None:
+        counter.fallback_until = None if layer.whitening_on() or not layer.whitened else int(layer.fallback_until)
 
     def record_euclidean(self, fqn: str, path: str, stats: torch.Tensor, bytes_sent: int) -> None:
         """A stateless Euclidean step: only counted."""

@@ -203,6 +203,10 @@ class GiftLayerState(nn.Module):
             self.refresh(layer_input, group)
         return self.whitening_on()
 
+    def retry_due_at_this_steps_end(self) -> bool:
+        """Whether :meth:`end_step` decides a retry this step: it reads this step's reading."""
+        return self.whitened and int(self.step) + 1 == int(self.fallback_until)
+
     def _fall_back(self, from_step: int) -> None:
         """Euclidean from ``from_step`` for ``fallback_retry`` steps, times 2 per failed retry
         before this one (up to ``2^RETRY_DOUBLINGS``); this fallback counts as one more."""
@@ -252,8 +256,9 @@ class GiftLayerState(nn.Module):
             current.copy_(new)  # a view into a larger buffer would pin that buffer
 
     # -- the live meter and the fallback -----------------------------------------------------------
-    def record_reading(self, reading: Reading) -> None:
-        """Count a meter reading (the same on every rank: ``meter.py``). With ``adaptive_damping``
+    def record_reading(self, reading: Reading, step: int | None = None) -> None:
+        """Count a meter reading taken at ``step`` (default: this one; the same on every rank:
+        ``meter.py``), before the step after it begins. With ``adaptive_damping``
         it moves the damping (:meth:`adapt_damping`). A layer whose delivered error is above
         Euclidean's (one step, or accumulated with error feedback) for ``fallback_patience``
         readings in a row, or more than ``FAR_OVER`` times it in one reading, goes on its fallback
@@ -276,7 +281,7 @@ class GiftLayerState(nn.Module):
         retried = int(self.fallbacks_in_a_row)
         patience = 1 if retried or reading.verdict > FAR_OVER else self.config.fallback_patience
         if int(self.meter_over) >= patience:
-            self._fall_back(from_step=int(self.step) + 1)
+            self._fall_back(from_step=(int(self.step) if step is None else step) + 1)
             self.meter_over.zero_()
             log.warning(
                 "GIFT layer %s: delivered error %.2fx (accumulated %s) the Euclidean route's for %d reading(s)%s; sending "

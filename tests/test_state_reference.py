@@ -1,5 +1,6 @@
 """Per-layer state, the live meter and the eager reference, on real gloo ranks."""
 
+import datetime
 import functools
 import math
 from typing import NamedTuple
@@ -8,6 +9,7 @@ from unittest import mock
 import oracle
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gift_compile import comm
@@ -298,7 +300,8 @@ def shadow_compiled_and_eager(rank, world, gift_dtype, collective):
         for meter in (compiled, eager):
             meter.before(step, grad, route, identity_whitening("lowrank", d, 32))
         held = [m.window.held if m.window is not None else None for m in (compiled, eager)]
-        readings = [m.after(step, output, kept) for m in (compiled, eager)]
+        pending = [m.after(step, output, kept) for m in (compiled, eager)]
+        readings = [p.result() if p is not None else None for p in pending]
         state = [[m.window.residual, m.window.gather_residual] if m.window is not None else [] for m in (compiled, eager)]
         seen.append((held, readings, state))
     return compiled.compiled, seen
@@ -649,6 +652,79 @@ def test_a_layer_is_retried_once_its_gift_shadow_wins(ranks):
     assert all(readings[t][0] > 1 for t in range(4, 11, 2)), shown  # the shadow: GIFT would lose
     assert readings[20][0] < 1 and all(readings[t][0] < 1 for t in range(22, steps)), shown
     assert max(ratios[23:]) < 1, [round(r, 2) for r in ratios]
+
+
+def recovering_at_the_retry(rank, step):
+    """The [CLS]-like layer until step 4, correlated inputs from step 5 (see the test below)."""
+    return classifier_inputs(rank, step) if step < 5 else meter_inputs(rank, step)
+
+
+def settled_at(rank, world, each_step: bool, steps: int = 8):
+    """A reading every step, patience 2, retry after 4, on :func:`recovering_at_the_retry`: the
+    delivered gradients, whether a reading was on its way when each step returned, and (read
+    after every step, ``each_step``, or only at the end) the counters' fallback."""
+    config = GiftConfig(layers=("fc",), meter_interval=1, meter_window=1, fallback_patience=2, fallback_retry=4,
+                        stats_source="inputs")
+    reducer = GiftReducer(config)
+    delivered, in_flight, until = [], [], []
+    for step in range(steps):
+        grad, x = recovering_at_the_retry(rank, step)
+        delivered.append(reducer.reduce_layer("fc", grad, x, collective="reduce_scatter"))
+        in_flight.append("fc" in reducer.runtime.readings)
+        if each_step:
+            until.append(reducer.runtime.counters["fc"].fallback_until)
+    return delivered, in_flight, until, reducer.runtime.counters["fc"].as_dict()
+
+
+def test_a_reading_acts_from_the_next_step_whenever_its_sum_arrives(ranks):
+    """The meter's all-reduce is not waited for in the step that takes the reading: it is settled
+    at the layer's next step, or earlier where something needs it (the counters read after every
+    step here, or a retry decided at this step's end). Either way the schedule is the one a
+    reading acted on at once gives: the layer falls back after the readings at steps 0 and 1
+    (Euclidean from 2 until 6). The retry due at 6 is decided at step 5's end by the GIFT
+    shadow's reading *at step 5*, taken on the new inputs (below 1: retried), not by the one at
+    step 4 (above 1, which would skip it: Euclidean until 14)."""
+    settled_each_step = ranks(2).run(settled_at, True)
+    settled_when_needed = ranks(2).run(settled_at, False)
+    delivered, in_flight, until, counters = settled_each_step[0]
+    # Every step returned with its reading still on its way but step 5, whose end decides the retry.
+    assert in_flight == [True] * 5 + [False] + [True] * 2, in_flight
+    assert until[:1] == [None] and until[1:5] == [6] * 4 and until[5] is None, until
+    assert counters["fallbacks"] >= 1
+    for (a, _, _, last_a), (b, flying, _, last_b) in zip(settled_each_step, settled_when_needed):
+        assert flying == in_flight
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # the same route, damping and residuals every step
+        assert last_a == last_b
+
+
+def reading_beside_a_late_peer(rank, world, steps=4):
+    """Rank 1 enters each step's meter completion only once rank 0 has finished that step (a
+    message on a group of its own, 20 s timeout): a reading that waited for its sum inside the
+    step would wait for rank 1 while rank 1 waits for it."""
+    signal = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    config = GiftConfig(layers=("fc",), meter_interval=2, meter_window=1)
+    reducer = GiftReducer(config)
+    complete = DeliveredMeter.after
+
+    def after_rank_0_finished_its_step(meter, *args, **kwargs):
+        dist.recv(torch.zeros(1), src=0, group=signal)
+        return complete(meter, *args, **kwargs)
+
+    with mock.patch.object(DeliveredMeter, "after", after_rank_0_finished_its_step if rank == 1 else complete):
+        for step in range(steps):
+            grad, x = meter_inputs(rank, step)
+            reducer.reduce_layer("fc", grad, x, collective="reduce_scatter")
+            if rank == 0:
+                dist.send(torch.ones(1), dst=1, group=signal)
+    return reducer.runtime.counters["fc"].as_dict()["error_vs_fp8"]
+
+
+def test_a_reading_does_not_hold_up_its_step(ranks):
+    """Rank 0 finishes each step, reading steps included, before rank 1 has added its share of
+    the reading (module ``reading_beside_a_late_peer``); the readings then arrive, the same on
+    both ranks."""
+    readings = ranks(2).run(reading_beside_a_late_peer)
+    assert readings[0] is not None and readings[0] == readings[1]
 
 
 def test_failed_retries_fall_back_at_once_for_ever_longer():
