@@ -58,6 +58,8 @@ LOCAL_BATCH = 2
 """Sequences per rank and step in the job (``examples/llama3_debug_cpu.toml``); ``--local-batch-size`` changes it."""
 SEQ_LEN = 256
 RANKS = 2
+WARMUP = 2
+"""Steps not timed: the compiles."""
 
 
 def tokens_per_step(local_batch: int) -> int:
@@ -373,8 +375,8 @@ def run_pair(link: ShapedLink, mode: str, variant: str, steps: int, workdir: Pat
         saved.write_text("".join(f"===== node {side} (exit {p.returncode})\n{log}" for side, (p, log) in enumerate(zip(procs, logs))))
         raise CellFailed(f"{mode}/{variant} failed (exit codes {[p.returncode for p in procs]}); both nodes' logs: {saved}")
     carried = link.tx_bytes(0) + link.tx_bytes(1) - before
-    step_s, spread, curve = timing(records(dump), warmup=2)
-    return step_s, spread, curve, carried / 2 / steps, meter(records(dump), warmup=2)
+    step_s, spread, curve = timing(records(dump), WARMUP)
+    return step_s, spread, curve, carried / 2 / steps, meter(records(dump), WARMUP)
 
 
 def compute_only(steps: int, workdir: Path, local_batch: int = LOCAL_BATCH) -> float:
@@ -382,7 +384,7 @@ def compute_only(steps: int, workdir: Path, local_batch: int = LOCAL_BATCH) -> f
     dump = workdir / "compute"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
     subprocess.run(launcher(JOB, dump, steps, ["--nproc", "1", "--gift.no-enabled"], local_batch), env=env, check=True, capture_output=True)
-    return timing(records(dump), warmup=2)[0]
+    return timing(records(dump), WARMUP)[0]
 
 
 def find(results: list[Result], mode: str, rate: str, variant: str) -> Result | None:
@@ -486,9 +488,26 @@ def report(results: list[Result], compute_s: float, tokens_per_step: int, round_
                 f"{r.variant}'s step {r.step_s / fp8.step_s - 1:+.0%} over FP8's ({r.step_s - fp8.step_s:+.2f} s, "
                 f"{r.bytes_per_step / fp8.bytes_per_step:.2f}x its bytes); "
                 for r in at_rate if fp8 and r.variant.startswith("gift"))
-            lines.append(f"- {rate_label(rate)}: {overhead}loss after {budget:.1f} s of training (GIFT's time for its steps): {losses}")
+            excess = {r.variant: reading_step_excess(r.losses) for r in at_rate}
+            readings = ", ".join(f"{v} {e:+.3f} s" for v, e in excess.items() if e is not None)
+            readings = f"steps with a meter reading against the others' median: {readings}; " if readings else ""
+            lines.append(f"- {rate_label(rate)}: {overhead}{readings}loss after {budget:.1f} s of training (GIFT's time for its steps): {losses}")
         lines.append("")
     return "\n".join(lines)
+
+
+def reading_step_excess(curve: list[list[float]]) -> float | None:
+    """How much longer the timed steps on which GIFT's live meter reads (the job's steps
+    ``1 + k * meter_interval``, 1-based) take than the others: their mean minus the others'
+    median, from a cell's loss curve (one point per step from the first timed one). On an FP8
+    cell the same steps are the control. None if no such step was timed."""
+    from gift_compile.config import GiftConfig  # after the preflight: this script starts on the standard library alone
+
+    interval = GiftConfig().meter_interval
+    durations = {WARMUP + 2 + k: b[0] - a[0] for k, (a, b) in enumerate(zip(curve, curve[1:]))}
+    reading = [d for step, d in durations.items() if (step - 1) % interval == 0]
+    others = [d for step, d in durations.items() if (step - 1) % interval]
+    return statistics.fmean(reading) - statistics.median(others) if reading and others else None
 
 
 def _loss_at(curve: list[tuple[float, float]], seconds: float) -> float:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shaped_link import LOCAL_BATCH, DelayedLink, ShapedLink, launcher, missing_requirements, round_trip_ms, table_to_merge
+from shaped_link import (LOCAL_BATCH, WARMUP, DelayedLink, ShapedLink, launcher, missing_requirements, reading_step_excess, round_trip_ms,
+                         table_to_merge)
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or bool(missing_requirements()), reason="network namespaces need root and iproute2")
@@ -222,3 +223,17 @@ def test_auto_parameter_pieces_on_a_slow_link():
     assert results[0] == results[1]
     kib, rate = results[0]
     assert kib == 128 and 5 < rate < 60, rate
+
+
+def test_the_steps_with_a_meter_reading_are_told_apart():
+    """``reading_step_excess`` takes the job's steps 11, 21, ... (1-based; GIFT's default
+    ``meter_interval`` of 10, its readings at the layers' steps 10, 20, ...) from a loss curve
+    that starts at the first timed step: 1 s steps, those 1.25 s, read as +0.25 s."""
+    first_timed = WARMUP + 1
+    durations = {step: 1.25 if step % 10 == 1 else 1.0 for step in range(first_timed + 1, 40)}
+    curve, t = [[0.0, 7.0]], 0.0
+    for step in sorted(durations):
+        t += durations[step]
+        curve.append([t, 7.0])
+    assert reading_step_excess(curve) == pytest.approx(0.25)
+    assert reading_step_excess(curve[:5]) is None  # no reading step timed yet
