@@ -94,7 +94,7 @@ class Reading(NamedTuple):
 class PendingReading:
     """A reading whose sums are still being added up over the ranks (an all-reduce in flight):
     nothing that step does depends on it, so the backward does not wait for it; the runtime
-    :meth:`result`\ s it where the reading is first needed (``runtime.py``)."""
+    takes its :meth:`result` where the reading is first needed (``runtime.py``)."""
 
     step: int
     """The layer's step the reading was taken at (its fallback starts after it)."""
