@@ -176,6 +176,7 @@ class GiftRuntime:
         self._show_fallback(layer, counter)
 
     def settle_readings(self) -> None:
+        """:meth:`settle_reading` of every layer with a reading on its way."""
         for fqn in list(self.readings):
             self.settle_reading(fqn)
 

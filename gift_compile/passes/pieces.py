@@ -27,9 +27,10 @@ graph_trainer's FSDP parameter all-gathers (``all_gather_into_tensor_out`` into 
 bucket buffers) are the forward's traffic, and gloo moves them at 70-80% of a slow link's rate
 with two in flight (FSDP's prefetch) against ~100% in 128 KiB pieces (``gloo_link.py``). With
 ``parameter_piece_kib`` above 0 (by default ``"auto"``: the session probes the link at start-up
-and splits only on a slow one, as from 1 Gbit/s up the calls' fixed cost outweighs it), each becomes ``collectives.all_gather`` in pieces: on gloo ``all_to_all``s carrying the
-same bytes, issued where the all-gather was and waited where it was waited, so FSDP's prefetch
-depth and memory profile stay as torchtitan set them::
+and splits only on a slow one, as from 1 Gbit/s up the calls' fixed cost outweighs it), each
+becomes ``collectives.all_gather`` in pieces: on gloo ``all_to_all``s carrying the same bytes,
+issued where the all-gather was and waited where it was waited, so FSDP's prefetch depth and
+memory profile stay as torchtitan set them::
 
     before:  g = all_gather_into_tensor_out(x, W, group, out=bucket)   ...   wait(g)
     after:   m_i = all_to_all(piece i of x, once per rank)  for i < k ...   wait(m_0) .. wait(m_k-1); cat
