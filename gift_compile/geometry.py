@@ -234,54 +234,86 @@ def _identity_factors(rank: int, device: torch.device) -> torch.Tensor:
     return torch.cat([torch.zeros(2 * rank, dtype=torch.float64), torch.ones(2, dtype=torch.float64)]).to(device)
 
 
-@torch.library.custom_op("gift::whitening_from_sketch", mutates_args=())
-def _whitening_from_sketch(
-    sketch: torch.Tensor, basis: torch.Tensor, scale: torch.Tensor, damping: torch.Tensor, nystrom: bool = False
+@torch.library.custom_op("gift::whitening_from_sketches", mutates_args=())
+def _whitening_from_sketches(
+    sketches: list[torch.Tensor], bases: list[torch.Tensor], scales: list[torch.Tensor], dampings: list[torch.Tensor],
+    nystrom: bool = False,
 ) -> list[torch.Tensor]:
-    """``[ritz basis, [coef, coef_inv, scale, scale_inv] packed, next basis, next sketch scale]``."""
-    d, r = basis.shape
+    """For each layer ``i`` (bases of one shape): ``ritz basis, [coef, coef_inv, scale, scale_inv]
+    packed, next basis, next sketch scale``, flat, layer after layer. The layers run as one batch:
+    the op's time is mostly per-op overhead (``d = 256``), and a batched eigh, QR or matmul
+    computes each matrix as it would alone (``test_geometry.py`` checks bit for bit)."""
+    k, (d, r) = len(bases), bases[0].shape
+    sketch = torch.stack(sketches)
     # No host sync on a bad value: a sketch that is not finite (an input with NaN/Inf, or one so
     # large the sketch overflowed before ``scale`` adapted) gives T = I for this step, keeps the
     # basis, and shrinks the scale. The gradient then travels as Euclidean FP8: a NaN input's
     # gradient is NaN there too (visible, never hidden), a huge one's is sent finite.
-    # (Written for few ops: with d = 256 the op's time is mostly per-op overhead.)
-    finite = sketch.sum(dtype=torch.float64).isfinite()  # any NaN/Inf reaches the sum; finite fp32 values cannot overflow it
+    # Any NaN/Inf reaches the sum; finite fp32 values cannot overflow it.
+    finite = sketch.sum(dim=1, dtype=torch.float64).isfinite()
     sketch = sketch.nan_to_num(0.0, 0.0, 0.0).double()
-    scale64, basis64 = scale.double(), basis.double()
-    per_token = scale64.square().reciprocal() / sketch[-1].clamp_min(1.0)  # 1 / (s^2 n): s is a power of two
-    w = sketch[: d * r].view(d, r)  # s^2 W: the same digits as W
-    rayleigh = (basis64.T @ w) * per_token
-    values, vectors = torch.linalg.eigh((rayleigh + rayleigh.T) / 2)
+    scale64, basis64 = torch.stack(scales).double(), torch.stack(bases).double()
+    kept_basis = basis64
+    per_token = scale64.square().reciprocal() / sketch[:, -1].clamp_min(1.0)  # 1 / (s^2 n): s is a power of two
+    w = sketch[:, : d * r].view(k, d, r)  # s^2 W: the same digits as W
+    rayleigh = (basis64.mT @ w) * per_token[:, None, None]
+    values, vectors = torch.linalg.eigh((rayleigh + rayleigh.mT) / 2)
     range_w, triangle = torch.linalg.qr(w)
     if nystrom:  # M ~ W C^+ W^T, C = Q^T M Q, whose range is W's: one more power step than Rayleigh-Ritz
-        pinv = torch.where(values > NYSTROM_RTOL * values[-1:], values, math.inf).reciprocal()
-        core = (triangle * per_token) @ vectors  # R C^+ R^T = core diag(pinv) core^T, for W = range_w R
-        values, vectors = torch.linalg.eigh((core * pinv) @ core.T)
+        pinv = torch.where(values > NYSTROM_RTOL * values[:, -1:], values, math.inf).reciprocal()
+        core = (triangle * per_token[:, None, None]) @ vectors  # R C^+ R^T = core diag(pinv) core^T, for W = range_w R
+        values, vectors = torch.linalg.eigh((core * pinv[:, None, :]) @ core.mT)
         basis64 = range_w
-    values = values.flip(0).clamp_min(0.0)
-    ritz = basis64 @ vectors.flip(1)
-    trace = sketch[-2] * per_token
-    shift = damping.double() * (trace / d).clamp_min(1e-30)
-    damped = values + shift
+    values = values.flip(-1).clamp_min(0.0)
+    ritz = basis64 @ vectors.flip(-1)
+    trace = sketch[:, -2] * per_token
+    shift = torch.stack(dampings).double() * (trace / d).clamp_min(1e-30)
+    damped = values + shift[:, None]
     if r < d:
-        rest = ((trace - values.sum()) / (d - r)).clamp_min(0.0) + shift
-        iso = torch.stack([rest.rsqrt(), rest.sqrt()])  # T's and T^-1's scale on the rest of the spectrum
+        rest = ((trace - values.sum(dim=-1)) / (d - r)).clamp_min(0.0) + shift
+        iso = torch.stack([rest.rsqrt(), rest.sqrt()], dim=-1)  # T's and T^-1's scale on the rest of the spectrum
     else:  # full rank: no isotropic rest
-        iso = sketch.new_zeros(2)
-    factors = torch.cat([damped.rsqrt() - iso[0], damped.sqrt() - iso[1], iso])
-    factors = torch.where(finite, factors, _identity_factors(r, sketch.device))
-    next_basis = torch.where(finite, range_w, basis.double())
+        iso = sketch.new_zeros(k, 2)
+    factors = torch.cat([damped.rsqrt() - iso[:, :1], damped.sqrt() - iso[:, 1:], iso], dim=-1)
+    factors = torch.where(finite[:, None], factors, _identity_factors(r, sketch.device))
+    next_basis = torch.where(finite[:, None, None], range_w, kept_basis)
     mean_square = trace / d  # of one input element, unscaled: the next scale brings it to ~1
     exponent = (-0.5 * torch.log2(mean_square)).round().clamp(*_SCALE_EXPONENT)
     rescaled = torch.where(mean_square > 0, torch.exp2(exponent), scale64)
     next_scale = torch.where(finite, rescaled, (scale64 * SKETCH_SCALE_SHRINK).clamp_min(2.0**_SCALE_EXPONENT[0]))
-    return [t.to(torch.float32, memory_format=torch.contiguous_format) for t in (ritz, factors, next_basis, next_scale)]
+    per_layer = zip(*(t.unbind() for t in (ritz, factors, next_basis, next_scale)))
+    return [t.to(torch.float32, memory_format=torch.contiguous_format) for layer in per_layer for t in layer]
 
 
-@_whitening_from_sketch.register_fake
-def _(sketch, basis, scale, damping, nystrom=False):
-    d, r = basis.shape
-    return [basis.new_empty(shape) for shape in ((d, r), (2 * r + 2,), (d, r), ())]
+@_whitening_from_sketches.register_fake
+def _(sketches, bases, scales, dampings, nystrom=False):
+    d, r = bases[0].shape
+    return [bases[0].new_empty(shape) for _ in bases for shape in ((d, r), (2 * r + 2,), (d, r), ())]
+
+
+FactorInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | float"]
+"""One layer's ``(summed sketch, basis, sketch scale, damping)`` for :func:`whitening_from_sketches`."""
+
+
+def whitening_from_sketches(
+    layers: list[FactorInputs], *, nystrom: bool = False
+) -> list[tuple[Whitening, torch.Tensor, torch.Tensor]]:
+    """:func:`whitening_from_sketch` of each layer, in order: one op call per basis shape, so a
+    bucket's layers factorize as one batch (the same numbers as one by one)."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, (_, basis, _, _) in enumerate(layers):
+        by_shape.setdefault(tuple(basis.shape), []).append(i)
+    results: list = [None] * len(layers)
+    for indices in by_shape.values():
+        sketches, bases, scales, dampings = zip(*(layers[i] for i in indices))
+        dampings = [torch.as_tensor(damping, dtype=torch.float32, device=sketches[0].device) for damping in dampings]
+        flat = torch.ops.gift.whitening_from_sketches(list(sketches), list(bases), list(scales), dampings, nystrom)
+        for j, i in enumerate(indices):
+            ritz, factors, next_basis, next_scale = flat[4 * j: 4 * j + 4]
+            r = ritz.shape[1]
+            coef, coef_inv, iso = factors.split([r, r, 2])
+            results[i] = Whitening.from_list("lowrank", [ritz, coef, coef_inv, iso[0], iso[1]]), next_basis, next_scale
+    return results
 
 
 def whitening_from_sketch(
@@ -302,11 +334,7 @@ def whitening_from_sketch(
     matters for a matrix whose top subspace moves from step to step (``stats_source =
     "gradients"``); for ``A``, which moves slowly, the previous basis is as good.
     """
-    damping = torch.as_tensor(damping, dtype=torch.float32, device=sketch.device)
-    ritz, factors, next_basis, next_scale = torch.ops.gift.whitening_from_sketch(sketch, basis, scale, damping, nystrom)
-    r = ritz.shape[1]
-    coef, coef_inv, scales = factors.split([r, r, 2])
-    return Whitening.from_list("lowrank", [ritz, coef, coef_inv, scales[0], scales[1]]), next_basis, next_scale
+    return whitening_from_sketches([(sketch, basis, scale, damping)], nystrom=nystrom)[0]
 
 
 # ----------------------------------------------------------------------------- periodic

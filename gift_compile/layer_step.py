@@ -43,7 +43,7 @@ from gift_compile.collectives import WireFormat, all_reduce_bytes, received, sta
 from gift_compile.policy import Plan
 from gift_compile.comm import Reduction, gather_residual_shape, quantized_reduce
 from gift_compile.config import GiftConfig
-from gift_compile.geometry import Whitening, input_sketch, sketch_numel, whitening_from_sketch
+from gift_compile.geometry import Whitening, input_sketch, sketch_numel, whitening_from_sketch, whitening_from_sketches
 from gift_compile.runtime import GiftRuntime
 
 c10d = torch.ops._c10d_functional
@@ -183,8 +183,8 @@ def sketch_all_reduce(plan: LayerPlan, rows: torch.Tensor, basis: torch.Tensor, 
 def gradient_factors(steps: list[tuple[LayerPlan, StateAccess, torch.Tensor, torch.Tensor]]) -> list[CurrentFactors]:
     """The current-step factors of gradient-statistics layers, from ``(plan, access, grad,
     token)`` each, all reduced over one group: their sketches summed in one all-reduce (a
-    bucket's layers, whose gradients exist together), then each layer's Nystrom factors. A sum
-    is elementwise, so each layer gets the numbers it would alone."""
+    bucket's layers, whose gradients exist together), then their Nystrom factors as one batch. A
+    sum is elementwise and a batch factorizes each layer alone, so each gets the numbers it would alone."""
     bases = [access.basis(plan, token) for plan, access, _, token in steps]
     sketches = [sketch_of(plan, grad, basis, scale) for (plan, _, grad, _), (basis, scale, _) in zip(steps, bases)]
     group_name = statistics_group_name(steps[0][0].group_name)
@@ -193,8 +193,8 @@ def gradient_factors(steps: list[tuple[LayerPlan, StateAccess, torch.Tensor, tor
     else:
         whole = received(c10d.all_reduce(torch.cat([s.reshape(-1) for s in sketches]), "sum", group_name))
         summed = [piece.view_as(s) for piece, s in zip(whole.split([s.numel() for s in sketches]), sketches)]
-    return [whitening_from_sketch(total.float(), basis, scale, damping, nystrom=True)
-            for total, (basis, scale, damping) in zip(summed, bases)]
+    return whitening_from_sketches([(total.float(), basis, scale, damping) for total, (basis, scale, damping) in zip(summed, bases)],
+                                   nystrom=True)
 
 
 def issue_statistics(

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -82,6 +83,7 @@ _SAME_SHAPE = {aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
                aten.clone.default, torch.ops.prims.convert_element_type.default}
 _SCALAR_SCALE = {aten.div.Tensor, aten.mul.Tensor}
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+FACTORIZATION = torch.ops.gift.whitening_from_sketches.default
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ def apply_rewrites(graph: fx.Graph, rewrites: list[Rewrite], config: GiftConfig,
         if config.bucket:
             batch_gradient_statistics(graph)
         gather_factorizations(graph, factorizations)
+        batch_factorizations(graph)
         if config.bucket:
             bucket_left_alone(graph, before)
             bucket_gradient_collectives(graph)
@@ -263,6 +266,63 @@ def gather_factorizations(graph: fx.Graph, factorizations: list[list[fx.Node]]) 
         if all(order[a] < order[target] for a in inputs):
             for node in group:
                 target.prepend(node)
+
+
+def batch_factorizations(graph: fx.Graph) -> None:
+    """One factorization op for the layers whose factors can be computed together: a bucket's
+    (their gradient sketches summed in one all-reduce, as ``layer_step.gradient_factors`` batches
+    them eagerly) and the step's gathered ones (:func:`gather_factorizations`). A factorization
+    joins the batch of an earlier one with the same basis shape and method when its inputs exist
+    where that one runs, up to view and dtype glue (which moves there), so no layer waits longer
+    for its factors. On the project's CPU a factorization's time is mostly per-op overhead, and a
+    batch computes each layer's factors as it would alone (``geometry.whitening_from_sketches``)."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    open_batches: dict[tuple, list[fx.Node]] = {}
+    batches: list[list[fx.Node]] = []
+    for node in sorted(graph.find_nodes(op="call_function", target=FACTORIZATION), key=order.__getitem__):
+        args = call_arguments(node)
+        key = (args["nystrom"], *(tuple(basis.meta["val"].shape) for basis in args["bases"]))
+        batch = open_batches.get(key)
+        if batch is not None and all(_exists_at(a, batch[0], order) for a in node.all_input_nodes):
+            batch.append(node)
+        else:
+            open_batches[key] = batch = [node]
+            batches.append(batch)
+    for batch in batches:
+        if len(batch) > 1:
+            _merge_factorizations(graph, batch, {node: i for i, node in enumerate(graph.nodes)})
+
+
+def _exists_at(node: fx.Node, first: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """Whether ``node`` runs before ``first``, or is view or dtype glue on nodes that do."""
+    if order[node] < order[first]:
+        return True
+    return (node.target in _SAME_SHAPE or node.target is operator.getitem) and all(
+        _exists_at(a, first, order) for a in node.all_input_nodes)
+
+
+def _merge_factorizations(graph: fx.Graph, batch: list[fx.Node], order: dict[fx.Node, int]) -> None:
+    first = batch[0]
+    glue, stack = set(), [a for node in batch[1:] for a in node.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if order[node] > order[first] and node not in glue:
+            glue.add(node)
+            stack.extend(node.all_input_nodes)
+    for node in sorted(glue, key=order.__getitem__):
+        first.prepend(node)
+    calls = [call_arguments(node) for node in batch]
+    lists = [[t for call in calls for t in call[name]] for name in ("sketches", "bases", "scales", "dampings")]
+    with graph.inserting_before(first):
+        merged = graph.call_function(FACTORIZATION, (*lists, calls[0]["nystrom"]))
+    merged.meta.update(first.meta)
+    merged.meta["val"] = [value for node in batch for value in node.meta["val"]]
+    offset = 0
+    for node in batch:
+        for user in list(node.users):  # getitem(node, i): the layer's i-th output
+            user.args = (merged, offset + user.args[1])
+        offset += len(node.meta["val"])
+        graph.erase_node(node)
 
 
 def bucket_left_alone(graph: fx.Graph, original: set[fx.Node]) -> None:
