@@ -139,7 +139,7 @@ def statistics_ops(d_out: int, d_in: int):
     basis, scale, damping = initial_basis(d_in, config.factor_rank(d_in)), torch.ones(()), torch.tensor(config.damping)
     sketch = input_sketch(rows, basis, scale, None)
     return {"gift::input_sketch": lambda: input_sketch(rows, basis, scale, None),
-            "gift::whitening_from_sketch": lambda: whitening_from_sketch(sketch, basis, scale, damping, nystrom=gradients)}
+            "gift::whitening_from_sketches": lambda: whitening_from_sketch(sketch, basis, scale, damping, nystrom=gradients)}
 
 
 def alone(repeats: int = 200) -> tuple[dict[str, float], list[tuple[str, float, dict[str, float]]]]:

@@ -13,7 +13,7 @@ The MLP's backward after the pass (fc2 whitened by its inputs' statistics, ``sta
     fc2       mm -> grad float32[8, 32]
     fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
     fc2       wait_tensor(all_reduce)
-    fc2       gift::whitening_from_sketch()
+    fc2       gift::whitening_from_sketches()
 
 The statistics' all_reduce is issued before fc2's gradient is computed and waited on only
 after it (and after the bias's collective), which is the overlap the pass is for.
@@ -24,7 +24,7 @@ The left column says whose line it is:
   weight-gradient ``mm``. ``gift::`` ops carry the FQN; a collective belongs to the layer
   whose weight gradient it carries (as whitened or FP8 bytes), or else to the layer whose
   FQN-carrying ``gift::`` ops use its result (the statistics' all_reduce); the ``gift::`` ops
-  without an FQN (``input_sketch``, ``whitening_from_sketch``) likewise, and one whose result
+  without an FQN (``input_sketch``, ``whitening_from_sketches``) likewise, and one whose result
   reaches several layers (a graph-wide op) shows ``*``;
 * a parameter's name (``fc2.bias``, from the collective's module metadata with ``replicate``'s
   parametrization path folded; ``-`` when unknown) for a collective the pass did not touch,

@@ -3,6 +3,7 @@ import torch
 
 from gift_compile.geometry import (
     SKETCH_SCALE_SHRINK, Whitening, factorize, input_sketch, second_moment, top_eigenpairs, whitening_from_sketch,
+    whitening_from_sketches,
 )
 
 ONE = torch.ones(())  # the sketch scale of inputs of ordinary magnitude
@@ -169,6 +170,32 @@ def test_non_finite_inputs_keep_the_previous_basis_and_send_unwhitened():
     g = torch.randn(3, 12)
     assert torch.equal(whitening.whiten(g), g) and torch.equal(whitening.unwhiten(g), g)
     assert next_scale.item() == SKETCH_SCALE_SHRINK
+
+
+@pytest.mark.parametrize("nystrom", [False, True])
+def test_a_batch_of_layers_factorizes_each_as_alone(nystrom):
+    # whitening_from_sketches runs a bucket's layers as one batch (one eigh, QR and matmul call
+    # each over a stack): every layer's factors, next basis and scale must be bit-identical to
+    # its own call, or a graph that batches and an eager route that does not would disagree.
+    # A layer with a NaN input in the batch falls back alone (T = I, basis kept); its neighbours
+    # are untouched. Layers of another shape run in a call of their own, in the caller's order.
+    def layer(seed, d=12, rank=4, nan=False):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(40, d, generator=g) * torch.logspace(0, -2, d)
+        if nan:
+            x[1, 2] = float("nan")
+        basis = torch.linalg.qr(torch.randn(d, rank, generator=g)).Q
+        return input_sketch(x, basis, ONE), basis, ONE, 0.1 * (seed + 1)
+    layers = [layer(0), layer(1, nan=True), layer(2, d=8, rank=3), layer(3)]
+    batched = whitening_from_sketches(layers, nystrom=nystrom)
+    for inputs, (whitening, next_basis, next_scale) in zip(layers, batched):
+        alone, alone_basis, alone_scale = whitening_from_sketch(*inputs, nystrom=nystrom)
+        assert whitening.tensors.keys() == alone.tensors.keys()
+        assert all(torch.equal(whitening.tensors[k], alone.tensors[k]) for k in alone.tensors)
+        assert torch.equal(next_basis, alone_basis) and torch.equal(next_scale, alone_scale)
+    assert torch.equal(batched[1][0].whiten(torch.eye(12)), torch.eye(12)) and torch.equal(batched[1][1], layers[1][1])
+    assert not torch.equal(batched[0][0].whiten(torch.eye(12)), torch.eye(12))  # its neighbour still whitens
+    assert batched[2][0].dim == 8
 
 
 def test_a_power_of_two_scale_changes_no_digit_of_the_factors():

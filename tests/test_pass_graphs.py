@@ -98,7 +98,7 @@ fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
 fc2       gift::input_sketch()
 fc2       all_reduce(sum, GROUP) float32[130] -> wait
-fc2       gift::whitening_from_sketch(nystrom=True)
+fc2       gift::whitening_from_sketches(nystrom=True)
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -126,7 +126,7 @@ fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       gift::load_basis(NS, fc2, d_in=32, low_rank=4)
 fc2       gift::input_sketch()
 fc2       all_reduce(sum, GROUP) float32[130] -> wait
-fc2       gift::whitening_from_sketch(nystrom=True)
+fc2       gift::whitening_from_sketches(nystrom=True)
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -155,7 +155,7 @@ fc2       all_reduce(sum, GROUP) float32[130]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
-fc2       gift::whitening_from_sketch()
+fc2       gift::whitening_from_sketches()
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -225,7 +225,7 @@ fc2       linear (forward) -> float32[4, 8]
 fc2       mm -> grad float32[8, 32]
 fc2.bias  all_reduce(avg, GROUP) float32[8] -> wait  (original)
 fc2       wait_tensor(all_reduce)
-fc2       gift::whitening_from_sketch()
+fc2       gift::whitening_from_sketches()
 fc2       gift::meter(NS, fc2, GROUP, collective=all_reduce, op=avg)
 fc2       gift::load_residual(NS, fc2, d_out=8, d_in=32)
 fc2       gift::load_gather_residual(NS, fc2, rows=4, cols=32)
@@ -284,7 +284,7 @@ wv                     gift::input_sketch()
 wv                     all_reduce(sum, GROUP) float32[130]
 w1                     wait_tensor(all_gather_into_tensor)
 wo                     wait_tensor(all_reduce)
-wo                     gift::whitening_from_sketch(nystrom=True)
+wo                     gift::whitening_from_sketches(nystrom=True)
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
@@ -294,7 +294,7 @@ wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
 wk                     gift::input_sketch()
 wk                     all_reduce(sum, GROUP) float32[130]
 wv                     wait_tensor(all_reduce)
-wv                     gift::whitening_from_sketch(nystrom=True)
+wv                     gift::whitening_from_sketches(nystrom=True)
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -306,7 +306,7 @@ wq                     all_reduce(sum, GROUP) float32[130]
 wo                     wait_tensor(all_to_all_single)
 wo                     all_gather_into_tensor(GROUP) uint8[1, 516]
 wk                     wait_tensor(all_reduce)
-wk                     gift::whitening_from_sketch(nystrom=True)
+wk                     gift::whitening_from_sketches(nystrom=True)
 wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
@@ -315,7 +315,7 @@ attention_norm.weight  all_reduce(avg, GROUP) float32[32]  (original)
 wv                     wait_tensor(all_to_all_single)
 wv                     all_gather_into_tensor(GROUP) uint8[1, 516]
 wq                     wait_tensor(all_reduce)
-wq                     gift::whitening_from_sketch(nystrom=True)
+wq                     gift::whitening_from_sketches(nystrom=True)
 wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
@@ -359,9 +359,9 @@ layers.1.fc2  gift::input_sketch(max_tokens=8192)
 layers.1.fc2  all_reduce(sum, GROUP) float32[130]
 layers.1.fc2  mm -> grad float32[16, 32]
 layers.1.fc2  wait_tensor(all_reduce)
-layers.1.fc2  gift::whitening_from_sketch()
+layers.1.fc2  gift::whitening_from_sketches()
 layers.0.fc2  wait_tensor(all_reduce)
-layers.0.fc2  gift::whitening_from_sketch()
+layers.0.fc2  gift::whitening_from_sketches()
 layers.1.fc2  gift::meter(NS, layers.1.fc2, GROUP, collective=all_reduce, op=avg)
 layers.1.fc2  gift::load_residual(NS, layers.1.fc2, d_out=16, d_in=32)
 layers.1.fc2  gift::load_gather_residual(NS, layers.1.fc2, rows=8, cols=32)
@@ -381,6 +381,50 @@ layers.0.*    all_to_all_single(GROUP) uint8[1040] -> wait
 layers.0.*    all_gather_into_tensor(GROUP) uint8[520] -> wait
 layers.0.fc2  gift::end_step(NS, layers.0.fc2, GROUP, bytes_sent=520, stats_bytes=520)
 layers.0.fc1  gift::record_euclidean(NS, layers.0.fc1, path=fp8, bytes_sent=520)""")
+
+    def test_a_blocks_factorizations_of_one_shape_run_as_one_op(self):
+        # Gradient statistics with wv and wo whitened, both d_in = 32, in one bucket (the block,
+        # layers.0): their sketches are summed in one all_reduce of 2 x 130 floats once wv's
+        # gradient exists, and their factors come from one gift::whitening_from_sketches call
+        # (batch_factorizations), after that wait and before either layer's meter. (fc1 and fc2
+        # in the test above have different d_in, so each keeps its own call.)
+        torch.manual_seed(0)
+        config = GiftConfig(layers=("wv", "wo"), low_rank=4)
+        _, after = backward_before_and_after(replicate(Stack(LlamaBlock, blocks=1)), config, "snap_factor_batch",
+                                             {"layers.0.wv", "layers.0.wo"}, torch.randn(2, 8, 32))
+        self.assertExpectedInline(render_gift_graph(after), """\
+*            gift::agree(NS, GROUP, description=...)
+layers.0.wv  gift::begin_step(NS, layers.0.wv, GROUP, d_out=32, d_in=32, whitened=True)
+layers.0.wo  gift::begin_step(NS, layers.0.wo, GROUP, d_out=32, d_in=32, whitened=True)
+layers.0.w2  mm -> grad float32[32, 64]
+layers.0.w2  gift::record_euclidean(NS, layers.0.w2, path=fp8, bytes_sent=2056)
+layers.0.w3  mm -> grad float32[64, 32]
+layers.0.w3  gift::record_euclidean(NS, layers.0.w3, path=fp8, bytes_sent=2056)
+layers.0.w1  mm -> grad float32[64, 32]
+layers.0.w1  gift::record_euclidean(NS, layers.0.w1, path=fp8, bytes_sent=2056)
+layers.0.wo  mm -> grad float32[16, 32]
+layers.0.wo  gift::load_basis(NS, layers.0.wo, d_in=32, low_rank=4)
+*            gift::input_sketch()
+layers.0.wv  mm -> grad float32[32, 32]
+layers.0.wv  gift::load_basis(NS, layers.0.wv, d_in=32, low_rank=4)
+*            gift::input_sketch()
+layers.0.*   all_reduce(sum, GROUP) float32[260] -> wait
+*            gift::whitening_from_sketches(nystrom=True)
+layers.0.wo  gift::meter(NS, layers.0.wo, GROUP, collective=all_reduce, op=avg)
+layers.0.wo  gift::load_residual(NS, layers.0.wo, d_out=32, d_in=32)
+layers.0.wo  gift::load_gather_residual(NS, layers.0.wo, rows=16, cols=32)
+layers.0.wv  gift::meter(NS, layers.0.wv, GROUP, collective=all_reduce, op=avg)
+layers.0.wv  gift::load_residual(NS, layers.0.wv, d_out=32, d_in=32)
+layers.0.wv  gift::load_gather_residual(NS, layers.0.wv, rows=16, cols=32)
+layers.0.wk  mm -> grad float32[32, 32]
+layers.0.wk  gift::record_euclidean(NS, layers.0.wk, path=fp8, bytes_sent=1032)
+layers.0.wq  mm -> grad float32[32, 32]
+layers.0.*   all_to_all_single(GROUP) uint8[10296] -> wait
+layers.0.*   all_gather_into_tensor(GROUP) uint8[5148] -> wait
+layers.0.wo  gift::end_step(NS, layers.0.wo, GROUP, bytes_sent=1032, stats_bytes=520)
+layers.0.wv  gift::end_step(NS, layers.0.wv, GROUP, bytes_sent=1032, stats_bytes=520)
+layers.0.wq  gift::record_euclidean(NS, layers.0.wq, path=fp8, bytes_sent=1032)
+layers.0.wo  all_reduce(avg, GROUP) float32[64] -> wait""")
 
     def test_a_block_sums_its_gradient_sketches_in_one_all_reduce(self):
         # The default, gradient statistics, with both Linear layers of each block whitened: a
@@ -406,11 +450,11 @@ layers.1.*    all_reduce(avg, GROUP) float32[48] -> wait  (original)
 layers.1.fc1  gift::load_basis(NS, layers.1.fc1, d_in=16, low_rank=4)
 *             gift::input_sketch()
 layers.1.*    all_reduce(sum, GROUP) float32[196] -> wait
-*             gift::whitening_from_sketch(nystrom=True)
+*             gift::whitening_from_sketches(nystrom=True)
 layers.1.fc2  gift::meter(NS, layers.1.fc2, GROUP, collective=all_reduce, op=avg)
 layers.1.fc2  gift::load_residual(NS, layers.1.fc2, d_out=16, d_in=32)
 layers.1.fc2  gift::load_gather_residual(NS, layers.1.fc2, rows=8, cols=32)
-*             gift::whitening_from_sketch(nystrom=True)
+*             gift::whitening_from_sketches(nystrom=True)
 layers.1.fc1  gift::meter(NS, layers.1.fc1, GROUP, collective=all_reduce, op=avg)
 layers.1.fc1  gift::load_residual(NS, layers.1.fc1, d_out=32, d_in=16)
 layers.1.fc1  gift::load_gather_residual(NS, layers.1.fc1, rows=16, cols=16)
@@ -426,11 +470,11 @@ layers.0.*    all_reduce(avg, GROUP) float32[48] -> wait  (original)
 layers.0.fc1  gift::load_basis(NS, layers.0.fc1, d_in=16, low_rank=4)
 *             gift::input_sketch()
 layers.0.*    all_reduce(sum, GROUP) float32[196] -> wait
-*             gift::whitening_from_sketch(nystrom=True)
+*             gift::whitening_from_sketches(nystrom=True)
 layers.0.fc2  gift::meter(NS, layers.0.fc2, GROUP, collective=all_reduce, op=avg)
 layers.0.fc2  gift::load_residual(NS, layers.0.fc2, d_out=16, d_in=32)
 layers.0.fc2  gift::load_gather_residual(NS, layers.0.fc2, rows=8, cols=32)
-*             gift::whitening_from_sketch(nystrom=True)
+*             gift::whitening_from_sketches(nystrom=True)
 layers.0.fc1  gift::meter(NS, layers.0.fc1, GROUP, collective=all_reduce, op=avg)
 layers.0.fc1  gift::load_residual(NS, layers.0.fc1, d_out=32, d_in=16)
 layers.0.fc1  gift::load_gather_residual(NS, layers.0.fc1, rows=16, cols=16)
@@ -481,7 +525,7 @@ wo                     mm -> grad float32[32, 32]
 wo                     gift::load_basis(NS, wo, d_in=32, low_rank=4)
 wo                     gift::input_sketch()
 wo                     all_reduce(sum, GROUP) float32[130] -> wait
-wo                     gift::whitening_from_sketch(nystrom=True)
+wo                     gift::whitening_from_sketches(nystrom=True)
 wo                     gift::meter(NS, wo, GROUP, collective=all_reduce, op=avg)
 wo                     gift::load_residual(NS, wo, d_out=32, d_in=32)
 wo                     gift::load_gather_residual(NS, wo, rows=16, cols=32)
@@ -492,7 +536,7 @@ wv                     mm -> grad float32[32, 32]
 wv                     gift::load_basis(NS, wv, d_in=32, low_rank=4)
 wv                     gift::input_sketch()
 wv                     all_reduce(sum, GROUP) float32[130] -> wait
-wv                     gift::whitening_from_sketch(nystrom=True)
+wv                     gift::whitening_from_sketches(nystrom=True)
 wv                     gift::meter(NS, wv, GROUP, collective=all_reduce, op=avg)
 wv                     gift::load_residual(NS, wv, d_out=32, d_in=32)
 wv                     gift::load_gather_residual(NS, wv, rows=16, cols=32)
@@ -503,7 +547,7 @@ wk                     mm -> grad float32[32, 32]
 wk                     gift::load_basis(NS, wk, d_in=32, low_rank=4)
 wk                     gift::input_sketch()
 wk                     all_reduce(sum, GROUP) float32[130] -> wait
-wk                     gift::whitening_from_sketch(nystrom=True)
+wk                     gift::whitening_from_sketches(nystrom=True)
 wk                     gift::meter(NS, wk, GROUP, collective=all_reduce, op=avg)
 wk                     gift::load_residual(NS, wk, d_out=32, d_in=32)
 wk                     gift::load_gather_residual(NS, wk, rows=16, cols=32)
@@ -514,7 +558,7 @@ wq                     mm -> grad float32[32, 32]
 wq                     gift::load_basis(NS, wq, d_in=32, low_rank=4)
 wq                     gift::input_sketch()
 wq                     all_reduce(sum, GROUP) float32[130] -> wait
-wq                     gift::whitening_from_sketch(nystrom=True)
+wq                     gift::whitening_from_sketches(nystrom=True)
 wq                     gift::meter(NS, wq, GROUP, collective=all_reduce, op=avg)
 wq                     gift::load_residual(NS, wq, d_out=32, d_in=32)
 wq                     gift::load_gather_residual(NS, wq, rows=16, cols=32)
@@ -552,7 +596,7 @@ attn.c_proj.bias  all_reduce(avg, GROUP) float32[32] -> wait  (original)
 attn.c_proj       gift::load_basis(NS, attn.c_proj, d_in=32, low_rank=4)
 attn.c_proj       gift::input_sketch()
 attn.c_proj       all_reduce(sum, GROUP) float32[130] -> wait
-attn.c_proj       gift::whitening_from_sketch(nystrom=True)
+attn.c_proj       gift::whitening_from_sketches(nystrom=True)
 attn.c_proj       gift::meter(NS, attn.c_proj, GROUP, collective=all_reduce, op=avg)
 attn.c_proj       gift::load_residual(NS, attn.c_proj, d_out=32, d_in=32)
 attn.c_proj       gift::load_gather_residual(NS, attn.c_proj, rows=16, cols=32)
@@ -564,7 +608,7 @@ attn.c_attn.bias  all_reduce(avg, GROUP) float32[96] -> wait  (original)
 attn.c_attn       gift::load_basis(NS, attn.c_attn, d_in=32, low_rank=4)
 attn.c_attn       gift::input_sketch()
 attn.c_attn       all_reduce(sum, GROUP) float32[130] -> wait
-attn.c_attn       gift::whitening_from_sketch(nystrom=True)
+attn.c_attn       gift::whitening_from_sketches(nystrom=True)
 attn.c_attn       gift::meter(NS, attn.c_attn, GROUP, collective=all_reduce, op=avg)
 attn.c_attn       gift::load_residual(NS, attn.c_attn, d_out=96, d_in=32)
 attn.c_attn       gift::load_gather_residual(NS, attn.c_attn, rows=48, cols=32)

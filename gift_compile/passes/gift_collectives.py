@@ -270,12 +270,14 @@ def gather_factorizations(graph: fx.Graph, factorizations: list[list[fx.Node]]) 
 
 def batch_factorizations(graph: fx.Graph) -> None:
     """One factorization op for the layers whose factors can be computed together: a bucket's
-    (their gradient sketches summed in one all-reduce, as ``layer_step.gradient_factors`` batches
-    them eagerly) and the step's gathered ones (:func:`gather_factorizations`). A factorization
-    joins the batch of an earlier one with the same basis shape and method when its inputs exist
-    where that one runs, up to view and dtype glue (which moves there), so no layer waits longer
-    for its factors. On the project's CPU a factorization's time is mostly per-op overhead, and a
-    batch computes each layer's factors as it would alone (``geometry.whitening_from_sketches``)."""
+    gradient-statistics layers, whose sketches are summed in one all-reduce
+    (:func:`batch_gradient_statistics`), as ``layer_step.gradient_factors`` batches them eagerly.
+    A factorization joins the batch of an earlier one with the same basis shape and method when
+    its inputs exist where that one runs, up to view and dtype glue (which moves there), so no
+    layer waits longer for its factors. (Input-statistics layers each wait for their own sum,
+    so their gathered factorizations stay one by one.) On the project's CPU a factorization's
+    time is mostly per-op overhead, and a batch computes each layer's factors as it would alone
+    (``geometry.whitening_from_sketches``)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     open_batches: dict[tuple, list[fx.Node]] = {}
     batches: list[list[fx.Node]] = []
