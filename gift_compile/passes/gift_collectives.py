@@ -269,13 +269,13 @@ def gather_factorizations(graph: fx.Graph, factorizations: list[list[fx.Node]]) 
 
 
 def batch_factorizations(graph: fx.Graph) -> None:
-    """One factorization op for the layers whose factors can be computed together: a bucket's
-    gradient-statistics layers, whose sketches are summed in one all-reduce
-    (:func:`batch_gradient_statistics`), as ``layer_step.gradient_factors`` batches them eagerly.
-    A factorization joins the batch of an earlier one with the same basis shape and method when
-    its inputs exist where that one runs, up to view and dtype glue (which moves there), so no
-    layer waits longer for its factors. (Input-statistics layers each wait for their own sum,
-    so their gathered factorizations stay one by one.) On the project's CPU a factorization's
+    """One factorization op for the layers whose factors can be computed together: those whose
+    sketches were summed in one all-reduce (a bucket's gradient sketches,
+    :func:`batch_gradient_statistics`, as ``layer_step.gradient_factors`` batches them eagerly; a
+    block's input sketches, :func:`batch_statistics`). A factorization joins the batch of an
+    earlier one with the same basis shape and method when its inputs exist where that one runs,
+    up to view and dtype glue (which moves there), so no layer waits longer for its factors; one
+    that waits for a sum of its own keeps its own call. On the project's CPU a factorization's
     time is mostly per-op overhead, and a batch computes each layer's factors as it would alone
     (``geometry.whitening_from_sketches``)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
@@ -317,7 +317,8 @@ def _merge_factorizations(graph: fx.Graph, batch: list[fx.Node], order: dict[fx.
     lists = [[t for call in calls for t in call[name]] for name in ("sketches", "bases", "scales", "dampings")]
     with graph.inserting_before(first):
         merged = graph.call_function(FACTORIZATION, (*lists, calls[0]["nystrom"]))
-    merged.meta.update(first.meta)
+    # the first call's metadata, less its eager input values (Inductor matches the inputs' strides to them)
+    merged.meta.update({key: value for key, value in first.meta.items() if key != "eager_input_vals"})
     merged.meta["val"] = [value for node in batch for value in node.meta["val"]]
     offset = 0
     for node in batch:
