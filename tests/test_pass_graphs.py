@@ -65,7 +65,8 @@ def backward_before_and_after(model, config, namespace, selected, *inputs) -> tu
 
     backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=backward_compiler,
                            decompositions=select_decomp_table(), partition_fn=min_cut_rematerialization_partition)
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
+    # dynamic=False: an earlier test that compiled the same forward with other shapes would make these symbolic
+    torch.compile(model, backend=backend, fullgraph=True, dynamic=False)(*inputs).sum().backward()
     assert len(snapshots) == 1
     return snapshots[0]
 
