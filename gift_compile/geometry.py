@@ -240,9 +240,10 @@ def _whitening_from_sketches(
     nystrom: bool = False,
 ) -> list[torch.Tensor]:
     """For each layer ``i`` (bases of one shape): ``ritz basis, [coef, coef_inv, scale, scale_inv]
-    packed, next basis, next sketch scale``, flat, layer after layer. The layers run as one batch:
-    the op's time is mostly per-op overhead (``d = 256``), and a batched eigh, QR or matmul
-    computes each matrix as it would alone (``test_geometry.py`` checks bit for bit)."""
+    packed, next basis, next sketch scale``, flat, layer after layer. The layers run as one batch,
+    which pays each of the ~40 ops' fixed cost once (the main job's two layers of a bucket: 1.7x
+    one layer's time, ``benchmarks/results/codec_profile_stop59.md``), and a batched eigh, QR or
+    matmul computes each matrix as it would alone (``test_geometry.py`` checks bit for bit)."""
     k, (d, r) = len(bases), bases[0].shape
     sketch = torch.stack(sketches)
     # No host sync on a bad value: a sketch that is not finite (an input with NaN/Inf, or one so

@@ -275,9 +275,8 @@ def batch_factorizations(graph: fx.Graph) -> None:
     block's input sketches, :func:`batch_statistics`). A factorization joins the batch of an
     earlier one with the same basis shape and method when its inputs exist where that one runs,
     up to view and dtype glue (which moves there), so no layer waits longer for its factors; one
-    that waits for a sum of its own keeps its own call. On the project's CPU a factorization's
-    time is mostly per-op overhead, and a batch computes each layer's factors as it would alone
-    (``geometry.whitening_from_sketches``)."""
+    that waits for a sum of its own keeps its own call. A batch pays its ops' fixed costs once and
+    computes each layer's factors as it would alone (``geometry.whitening_from_sketches``)."""
     order = {node: i for i, node in enumerate(graph.nodes)}
     open_batches: dict[tuple, list[fx.Node]] = {}
     batches: list[list[fx.Node]] = []
