@@ -303,6 +303,9 @@ def _exists_at(node: fx.Node, first: fx.Node, order: dict[fx.Node, int]) -> bool
 
 
 def _merge_factorizations(graph: fx.Graph, batch: list[fx.Node], order: dict[fx.Node, int]) -> None:
+    """Replace ``batch`` by one call where its first member runs: the later members' glue inputs
+    (:func:`_exists_at`) move before it, and each member's ``getitem`` users read their outputs
+    from the merged call's flat list (4 per layer, in batch order)."""
     first = batch[0]
     glue, stack = set(), [a for node in batch[1:] for a in node.all_input_nodes]
     while stack:
