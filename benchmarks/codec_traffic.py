@@ -76,11 +76,12 @@ def kind(node) -> str:
 
 
 def whitening(d_in: int, rank: int) -> Whitening:
+    """A low-rank ``T`` as a layer's step hands it to the codec (``layer_step.prepare_reduction``: unit-scaled)."""
     generator = torch.Generator().manual_seed(0)
     basis = torch.linalg.qr(torch.randn(d_in, rank, generator=generator))[0]
     coef = torch.rand(rank, generator=generator)
-    return Whitening("lowrank", {"basis": basis, "coef": coef, "coef_inv": 1 / (1 + coef) - 1,
-                                 "scale": torch.tensor(2.0), "scale_inv": torch.tensor(0.5)})
+    return Whitening("lowrank", {"basis": basis, "coef": coef, "coef_inv": 1 / (2 + coef) - 0.5,
+                                 "scale": torch.tensor(2.0), "scale_inv": torch.tensor(0.5)}).unit_scaled()
 
 
 def count_path(path: Path, shape: tuple[int, int], low_rank: int) -> dict:

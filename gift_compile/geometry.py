@@ -83,7 +83,8 @@ class Whitening:
 
     * ``dense``:   ``T`` (``d x d``) and ``T_inv``.
     * ``lowrank``: ``basis`` (``d x r``, orthonormal), ``coef``/``coef_inv`` (``r``),
-      ``scale``/``scale_inv`` (0-d): ``G T = G * scale + ((G basis) * coef) basis^T``.
+      ``scale``/``scale_inv`` (0-d): ``G T = G * scale + ((G basis) * coef) basis^T``. Without
+      the scales (:meth:`unit_scaled`) the isotropic part is ``I``: ``G T = G + ((G basis) * coef) basis^T``.
     """
 
     layout: str
@@ -112,7 +113,7 @@ class Whitening:
         if self.layout != "lowrank":
             return (self.unwhiten(g) if inverse else self.whiten(g)).square().sum()
         suffix = "_inv" if inverse else ""
-        scale, coef = self.tensors["scale" + suffix], self.tensors["coef" + suffix]
+        scale, coef = self.tensors.get("scale" + suffix, 1.0), self.tensors["coef" + suffix]
         projected = (self.projection(g) if projected is None else projected).square().sum(dim=0)
         g_squared = g.square().sum() if g_squared is None else g_squared
         return scale * scale * g_squared + ((2 * scale + coef) * coef * projected).sum()
@@ -133,6 +134,20 @@ class Whitening:
         if len(tensors) != len(names):
             raise ValueError(f"a {layout} whitening has {len(names)} factor tensors {names}, got {len(tensors)}")
         return cls(layout, dict(zip(names, tensors)))
+
+    def unit_scaled(self) -> Whitening:
+        """``T / s`` with its inverse ``s T^-1`` (``s``: ``scale``), for the wire: the low-rank
+        transform with ``I`` as its isotropic part, so ``G T`` is ``G`` plus a rank-``r`` product,
+        which Inductor computes as one GEMM that adds it to ``G`` (``addmm``), with no pass over
+        memory for ``G * s`` (nor ``U * s^-1`` on the way back). A wire with amax scales sends
+        ``G T / s`` as it sends ``G T`` (the same codes up to the scale's own rounding), and the
+        receiver's ``s T^-1`` undoes both. A dense ``T``, or one with no isotropic part
+        (``r = d``: ``s = 0``), is returned as it is."""
+        t = self.tensors
+        if self.layout != "lowrank" or "scale" not in t or t["basis"].shape[0] == t["basis"].shape[1]:
+            return self
+        # T = s I + B c B^T = s (I + B (c / s) B^T); T^-1 = s^-1 (I + B (s c_inv) B^T), as s^-1 = scale_inv.
+        return Whitening("lowrank", {"basis": t["basis"], "coef": t["coef"] * t["scale_inv"], "coef_inv": t["coef_inv"] * t["scale"]})
 
     def or_identity(self, on: torch.Tensor) -> Whitening:
         """This transform where ``on == 1`` and ``T = I`` where ``on == 0`` (a 0-d float), with no
@@ -156,7 +171,8 @@ def _apply(layout: str, t: dict[str, torch.Tensor], g: torch.Tensor, *, inverse:
     if layout == "lowrank":
         basis = t["basis"]
         projected = g @ basis if projected is None else projected
-        return g * t["scale" + suffix] + (projected * t["coef" + suffix]) @ basis.T
+        isotropic = g * t["scale" + suffix] if "scale" in t else g  # unit_scaled: I
+        return isotropic + (projected * t["coef" + suffix]) @ basis.T
     raise ValueError(f"unknown whitening layout {layout!r}")
 
 

@@ -259,7 +259,7 @@ def prepare_reduction(
         if whitening is None:
             whitening = Whitening.from_list(plan.config.whitening_layout, access.factors(plan, token))
         token = access.meter(plan, grad, whitening, token)  # on the fallback, its GIFT shadow whitens with T
-        whitening = whitening.or_identity(token)
+        whitening = whitening.or_identity(token).unit_scaled()
     residual = access.residual(plan, token) if plan.plan.error_feedback else None
     gather_residual = access.gather_residual(plan, token) if plan.plan.gather_error_feedback else None
     return PreparedReduction(plan, access, token, whitening, residual, gather_residual, next_basis, next_scale)

@@ -98,7 +98,10 @@ def rows_of(rank: int, world: int, d_out: int) -> slice:
 
 
 def symmetric_transform(values: torch.Tensor, vectors: torch.Tensor, rest: float | None, mean_eig: float, damping: float):
-    """Dense ``T = A_r^-1/2`` and ``T^-1`` for ``A_r = V diag(l) V^T + rest (I - V V^T)``, damped."""
+    """Dense ``T = A_r^-1/2`` and ``T^-1`` for ``A_r = V diag(l) V^T + rest (I - V V^T)``, damped,
+    as the wire uses them: with a rest, ``T`` times ``sqrt(sigma)`` (its inverse divided by it),
+    so that ``T`` is ``I`` off the top subspace (docs/design.md §1: a scalar changes no FP8
+    code, and the library then whitens with no pass over memory for it)."""
     d = vectors.shape[0]
     shift = damping * mean_eig
     damped = values.clamp_min(0) + shift
@@ -107,8 +110,8 @@ def symmetric_transform(values: torch.Tensor, vectors: torch.Tensor, rest: float
     t_inv = (vectors * damped.sqrt()) @ vectors.T
     if rest is not None:
         sigma = max(rest, 0.0) + shift
-        t = t + (torch.eye(d, dtype=torch.float64) - projector) / math.sqrt(sigma)
-        t_inv = t_inv + (torch.eye(d, dtype=torch.float64) - projector) * math.sqrt(sigma)
+        t = (t + (torch.eye(d, dtype=torch.float64) - projector) / math.sqrt(sigma)) * math.sqrt(sigma)
+        t_inv = (t_inv + (torch.eye(d, dtype=torch.float64) - projector) * math.sqrt(sigma)) / math.sqrt(sigma)
     return t, t_inv
 
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from gift_compile.collectives import WireFormat, round_trip
 from gift_compile.geometry import (
     SKETCH_SCALE_SHRINK, Whitening, factorize, input_sketch, second_moment, top_eigenpairs, whitening_from_sketch,
     whitening_from_sketches,
@@ -245,11 +246,13 @@ def test_or_identity_switches_between_the_transform_and_identity(case):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 @pytest.mark.parametrize("on", [1.0, 0.0], ids=["whitened", "on its fallback"])
-def test_squared_norm_is_the_norm_of_the_whitened_gradient(case, on):
+@pytest.mark.parametrize("unit", [False, True], ids=["T", "unit-scaled"])
+def test_squared_norm_is_the_norm_of_the_whitened_gradient(case, on, unit):
     """``squared_norm`` (the residual guard's measure) against ``|G T|^2`` and ``|G T^-1|^2`` from
     the dense ``T`` and its inverse in float64. The low-rank identity is exact for an orthonormal basis; the fp32 basis is
     orthonormal to ~1e-7, and the sum of 40 x 24 fp32 squares rounds to ~1e-6 relative."""
     w = factorize(anisotropic_moment(24), damping=1e-2, **case).or_identity(torch.tensor(on))
+    w = w.unit_scaled() if unit else w
     for seed in range(3):
         g = torch.randn(40, 24, generator=torch.Generator().manual_seed(seed)) * 10.0**seed
         want = (g.double() @ w.matrix().double()).square().sum()
@@ -258,3 +261,52 @@ def test_squared_norm_is_the_norm_of_the_whitened_gradient(case, on):
         want_inverse = (g.double() @ w.matrix(inverse=True).double()).square().sum()
         given = w.squared_norm(g, w.projection(g), inverse=True, g_squared=g.double().square().sum().float())
         assert float(given) == pytest.approx(float(want_inverse), rel=1e-5)
+
+
+def lowrank_with_scale(d: int, r: int, scale: float, seed: int = 0) -> Whitening:
+    """A low-rank ``T = s I + B diag(c) B^T`` with its exact inverse's coefficients, for any ``s``."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(d, r, generator=g, dtype=torch.float64))[0]
+    coef = torch.rand(r, generator=g, dtype=torch.float64) * 3 - 0.9 * scale  # T's eigenvalues s + c in [0.1 s, 3 + 0.1 s]
+    tensors = {"basis": basis, "coef": coef, "coef_inv": 1 / (scale + coef) - 1 / scale,
+               "scale": torch.tensor(scale, dtype=torch.float64), "scale_inv": torch.tensor(1 / scale, dtype=torch.float64)}
+    return Whitening("lowrank", {name: t.float() for name, t in tensors.items()})
+
+
+@pytest.mark.parametrize("scale", [0.37, 2.9e3])
+def test_unit_scaled_is_the_transform_over_its_scale(scale):
+    # What the codec sends with (layer_step.prepare_reduction): T / s and its inverse s T^-1,
+    # against the dense T and T^-1 in float64. Both products are exact up to fp32 rounding of
+    # the factors (~1e-7 relative) and of a 16-term GEMM: 1e-5 of the largest entry.
+    w = lowrank_with_scale(16, 4, scale)
+    unit = w.unit_scaled()
+    assert set(unit.tensors) == {"basis", "coef", "coef_inv"}
+    want, want_inverse = w.matrix().double() / scale, w.matrix(inverse=True).double() * scale
+    torch.testing.assert_close(unit.matrix().double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(unit.matrix(inverse=True).double(), want_inverse, rtol=0, atol=1e-5 * want_inverse.abs().max().item())
+    g = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(unit.unwhiten(unit.whiten(g)), g, atol=1e-5, rtol=1e-5)
+
+
+def test_with_a_power_of_two_scale_the_wire_carries_the_same_codes():
+    # Why the codec may drop the scale: with s = 2^k every fp32 operation of T / s is that of T
+    # divided by s exactly (no rounding differs), so the whitened gradient is G T / s bit for bit,
+    # an amax-scaled wire (FP8; FP4, whose block scales are chosen from the amax too) encodes it
+    # to the same codes with scales / s, and unwhitening G T / s with s T^-1 gives back exactly
+    # what unwhitening G T with T^-1 does.
+    w = lowrank_with_scale(32, 4, 8.0)
+    unit = w.unit_scaled()
+    g = torch.randn(12, 32, generator=torch.Generator().manual_seed(2))
+    whitened = w.whiten(g)
+    assert torch.equal(unit.whiten(g), whitened / 8.0)
+    for wire in (WireFormat(), WireFormat("fp4"), WireFormat("fp4", fp4_format="mxfp4")):
+        sent = round_trip(whitened, wire)
+        assert torch.equal(round_trip(whitened / 8.0, wire), sent / 8.0), wire
+        assert torch.equal(unit.unwhiten(sent / 8.0), w.unwhiten(sent)), wire
+
+
+def test_unit_scaled_leaves_transforms_without_an_isotropic_part_alone():
+    # A dense T has no separate scale; a full-rank low-rank T (r = d) has s = 0, which cannot be divided out.
+    dense = factorize(anisotropic_moment(8), factorization="symmetric", rank=None, damping=1e-2)
+    full_rank = factorize(anisotropic_moment(8), factorization="symmetric", rank=8, damping=1e-2)
+    assert dense.unit_scaled() is dense and full_rank.unit_scaled() is full_rank

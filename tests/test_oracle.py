@@ -196,10 +196,11 @@ def test_residual_moves_into_the_new_coordinates_at_a_refresh(ranks):
 
 
 def _dense(factors):
-    """Dense float64 T, T^-1 of low-rank factors [basis, coef, coef_inv, scale, scale_inv]."""
+    """Dense float64 T, T^-1 of low-rank factors [basis, coef, coef_inv, scale, scale_inv], as the
+    wire uses them: T / scale and T^-1 * scale (oracle.symmetric_transform)."""
     basis, coef, coef_inv, scale, scale_inv = (t.double() for t in factors)
     eye = torch.eye(basis.shape[0], dtype=torch.float64)
-    return eye * scale + (basis * coef) @ basis.T, eye * scale_inv + (basis * coef_inv) @ basis.T
+    return (eye * scale + (basis * coef) @ basis.T) / scale, (eye * scale_inv + (basis * coef_inv) @ basis.T) * scale
 
 
 class TwiceUsed(nn.Module):
