@@ -306,7 +306,11 @@ def test_with_a_power_of_two_scale_the_wire_carries_the_same_codes():
 
 
 def test_unit_scaled_leaves_transforms_without_an_isotropic_part_alone():
-    # A dense T has no separate scale; a full-rank low-rank T (r = d) has s = 0, which cannot be divided out.
+    # A dense T has no separate scale; current-step factors of full rank (r = d) have none
+    # either (s = 0, which cannot be divided out).
     dense = factorize(anisotropic_moment(8), factorization="symmetric", rank=None, damping=1e-2)
-    full_rank = factorize(anisotropic_moment(8), factorization="symmetric", rank=8, damping=1e-2)
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(3))
+    basis = torch.linalg.qr(torch.randn(8, 8, generator=torch.Generator().manual_seed(4))).Q
+    full_rank, _, _ = whitening_from_sketch(input_sketch(x, basis, ONE), basis, ONE, 0.1)
+    assert float(full_rank.tensors["scale"]) == 0.0
     assert dense.unit_scaled() is dense and full_rank.unit_scaled() is full_rank
