@@ -5,7 +5,8 @@ reference calls them directly and the FX pass traces them with ``make_fx`` and s
 result into the backward graph: one piece of code for both, Inductor fuses the traced ops.
 
 The quantized path for a weight gradient ``G`` (Algorithm 1, docs/design.md §1, §7; ``T = I``
-on the Euclidean path)::
+on the Euclidean path; a layer's step hands over its low-rank ``T`` divided by its isotropic
+scale, ``Whitening.unit_scaled``, which the amax-scaled wire does not see)::
 
     U  = (G + R) T          whiten; R is this rank's error-feedback residual, kept in G's own
                             coordinates, so a new T never needs a residual "move"
