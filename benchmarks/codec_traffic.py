@@ -56,10 +56,14 @@ PATHS = [
     Path("Euclidean FP8", False, False, "fp8"),
     Path("Euclidean FP8 + EF", False, True, "fp8"),
     Path("GIFT FP8 (default)", True, True, "fp8"),
+    Path("Euclidean FP8, all-reduce", False, False, "fp8", "all_reduce"),
     Path("GIFT FP8, all-reduce", True, True, "fp8", "all_reduce"),
     Path("Euclidean FP4", False, False, "fp4"),
     Path("GIFT FP4", True, True, "fp4"),
+    Path("Euclidean FP4, all-reduce", False, False, "fp4", "all_reduce"),
+    Path("GIFT FP4, all-reduce", True, True, "fp4", "all_reduce"),
 ]
+"""Each route's paths side by side; the all-reduce rows are what ``benchmarks/projection.py``'s ring all-reduce moves."""
 
 
 def kind(node) -> str:

@@ -15,7 +15,10 @@ with a flag, e.g. for a GPU):
 * GIFT's extra compute: per whitened layer and step, whitening and unwhitening plus the error
   feedback's transform (6 rank-``r`` GEMMs over ``d_out x d_in``) and the sketch (the
   gradient's ``4 d_out d_in r`` per layer, or the input's ``4 tokens d_in r`` once per input), at
-  ``gemm_tflops``;
+  ``gemm_tflops``, or, where that takes longer, the memory those passes move at ``mem_gbps``
+  (a roofline): GIFT's compiled all-reduce codec moves :data:`CODEC_BYTES` per whitened element
+  beyond the Euclidean one's (``benchmarks/codec_traffic.py``), and the sketch reads its rows
+  twice. A rank-32 GEMM does 64 flops per fp32 element it reads: on a GPU it is memory-bound;
 * compute: ``6 P tokens`` flops at ``peak x MFU``.
 
 Without overlap a step is compute + communication + codec; with perfect overlap
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -96,6 +100,11 @@ SCENARIOS = [
 ]
 PATHS = ("fp32", "bf16", "FP8", "GIFT", "FP4", "GIFT-FP4")
 BYTES_PER_ELEMENT = {"fp32": 4, "bf16": 2, "FP8": 1, "GIFT": 1, "FP4": 0.5625, "GIFT-FP4": 0.5625}
+CODEC_BYTES = {"FP8": 21.0, "GIFT": 109.0, "FP4": 68.38, "GIFT-FP4": 168.38}
+"""Bytes the compiled all-reduce codec reads and writes per gradient element, Inductor's own count
+(``python benchmarks/codec_traffic.py``: 2048 x 2048, 2 gloo ranks, stop 60; GIFT with its error
+feedback, rank 32): measured, not assumed, and the same on any machine Inductor compiles for alike."""
+EUCLIDEAN_OF = {"GIFT": "FP8", "GIFT-FP4": "FP4"}
 
 
 def measured_overlap_efficiency(path: Path = SHAPED_LINK) -> tuple[float, str]:
@@ -140,10 +149,21 @@ def measure_gemm_tflops(d: int = 2048, r: int = 32) -> float:
     return 10 * 2 * d * d * r / (time.perf_counter() - start) / 1e12
 
 
+def measure_memory_gbps(numel: int = 1 << 25) -> float:
+    """GB/s of memory traffic (read + write) of a large fp32 copy on this machine."""
+    x, y = torch.randn(numel), torch.empty(numel)
+    y.copy_(x)
+    start = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    return 5 * 2 * numel * 4 / (time.perf_counter() - start) / 1e9
+
+
 def project(model: Model, cluster: Cluster, path: str, codec_gbps: dict[str, float], gemm_tflops: float, rank: int = 32,
-            efficiency: float = 1.0, stats_source: str = "gradients") -> dict:
+            efficiency: float = 1.0, stats_source: str = "gradients", memory_gbps: float = math.inf) -> dict:
     """Step-time components of ``path``; ``codec_gbps`` maps a wire ("fp8", "fp4") to its codec rate;
-    ``stats_source``: GIFT's statistics (``GiftConfig.stats_source``, whose default is ``gradients``)."""
+    ``stats_source``: GIFT's statistics (``GiftConfig.stats_source``, whose default is ``gradients``);
+    ``memory_gbps``: the memory bandwidth GIFT's extra passes run at (the module docstring's roofline)."""
     n, bandwidth = cluster.gpus, cluster.gbit_per_gpu * 1e9 / 8
     grad_bytes = model.params * BYTES_PER_ELEMENT[path]
     comm = 2 * (n - 1) / n * grad_bytes / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6  # all-reduce: ring
@@ -152,7 +172,8 @@ def project(model: Model, cluster: Cluster, path: str, codec_gbps: dict[str, flo
         wire = "fp4" if path.endswith("FP4") else "fp8"
         codec = 2 * model.params * 4 / (codec_gbps[wire] * 1e9)  # quantize and dequantize (both all-reduce phases)
     if path.startswith("GIFT"):
-        stats = flops = 0.0
+        stats = flops = moved = 0.0
+        extra_per_element = CODEC_BYTES[path] - CODEC_BYTES[EUCLIDEAN_OF[path]]
         sketched = set()  # inputs: layers that read one input (q, k, v; w1, w3) send one sketch
         summed = set()  # gradients: one all-reduce per bucket (a block's child module)
         for kind in model.selected:
@@ -160,16 +181,19 @@ def project(model: Model, cluster: Cluster, path: str, codec_gbps: dict[str, flo
             if model.name.startswith("paper"):
                 count = PAPER_SELECTED_BLOCKS
             flops += count * 6 * 2 * d_out * d_in * rank
+            moved += count * d_out * d_in * extra_per_element
             if stats_source == "gradients":  # G^T (G Q) per layer: no sharing
                 summed.add(BUCKET_OF[kind])
                 stats += count * d_in * rank * 4
                 flops += count * 4 * d_out * d_in * rank
+                moved += count * d_out * d_in * 4 * 2  # G read twice
             elif INPUT_OF[kind] not in sketched:
                 sketched.add(INPUT_OF[kind])
                 stats += count * d_in * rank * 4
                 flops += count * 4 * cluster.tokens_per_gpu * d_in * rank
+                moved += count * cluster.tokens_per_gpu * d_in * 4 * 2  # the input rows read twice
         comm += 2 * (n - 1) / n * stats / bandwidth + 2 * (n - 1) * cluster.alpha_us * 1e-6 * len(sketched | summed)
-        gemms = flops / (gemm_tflops * 1e12)
+        gemms = max(flops / (gemm_tflops * 1e12), moved / (memory_gbps * 1e9))
     compute = 6 * model.params * cluster.tokens_per_gpu / (cluster.peak_tflops * 1e12 * cluster.mfu)
     serial = compute + comm + codec + gemms
     overlapped = max(compute, comm) + codec + gemms
@@ -182,6 +206,7 @@ def main() -> None:
     parser.add_argument("--codec-gbps", type=float, help="GB/s of fp32 gradient through FP8 quantize+dequantize (default: measured here)")
     parser.add_argument("--gemm-tflops", type=float, help="TFLOP/s of the rank-32 whitening GEMMs (default: measured here)")
     parser.add_argument("--fp4-codec-gbps", type=float, help="the same for the NVFP4 codec (default: measured here)")
+    parser.add_argument("--mem-gbps", type=float, help="GB/s of memory bandwidth for GIFT's extra passes (default: measured here)")
     parser.add_argument("--rank", type=int, default=32, help="GIFT's low rank")
     parser.add_argument("--stats-source", choices=["gradients", "inputs"], default="gradients",
                         help="GIFT's statistics (GiftConfig.stats_source; default: gradients, the library's default)")
@@ -193,12 +218,16 @@ def main() -> None:
     codec, codec_label = (args.codec_gbps, "assumed (flag)") if args.codec_gbps else (measure_codec_gbps("fp8"), "measured on this CPU")
     fp4, fp4_label = (args.fp4_codec_gbps, "assumed (flag)") if args.fp4_codec_gbps else (measure_codec_gbps("fp4"), "measured on this CPU")
     gemm, gemm_label = (args.gemm_tflops, "assumed (flag)") if args.gemm_tflops else (measure_gemm_tflops(), "measured on this CPU")
+    memory, memory_label = (args.mem_gbps, "assumed (flag)") if args.mem_gbps else (measure_memory_gbps(), "measured on this CPU")
     efficiency, efficiency_label = ((args.overlap_efficiency, "assumed (flag)") if args.overlap_efficiency is not None
                                     else measured_overlap_efficiency(args.shaped_link))
     print("inputs:")
     print(f"  FP8 codec (quantize + dequantize): {codec:.2f} GB/s of fp32 gradient  [{codec_label}]")
     print(f"  NVFP4 codec (quantize + dequantize): {fp4:.2f} GB/s of fp32 gradient  [{fp4_label}]")
     print(f"  whitening GEMMs (d x d by d x {args.rank}): {gemm:.3f} TFLOP/s  [{gemm_label}]")
+    print(f"  memory: {memory:.0f} GB/s  [{memory_label}]; GIFT's codec moves {CODEC_BYTES['GIFT'] - CODEC_BYTES['FP8']:.0f} "
+          f"(FP4: {CODEC_BYTES['GIFT-FP4'] - CODEC_BYTES['FP4']:.0f}) B per whitened element beyond the Euclidean codec's  "
+          "[measured: benchmarks/codec_traffic.py]")
     print(f"  overlap efficiency: {efficiency:.2f} of min(compute, communication) hidden  [{efficiency_label}]")
     for model, cluster in SCENARIOS:
         print(f"\n{model.name}: {model.params / 1e9:.2f}B parameters; {cluster.name}; {cluster.tokens_per_gpu} tokens/GPU/step")
@@ -208,7 +237,7 @@ def main() -> None:
                  else "per whitened input (q, k, v share one)"))
         rows, fp32 = [], None
         for path in PATHS:
-            t = project(model, cluster, path, {"fp8": codec, "fp4": fp4}, gemm, args.rank, efficiency, args.stats_source)
+            t = project(model, cluster, path, {"fp8": codec, "fp4": fp4}, gemm, args.rank, efficiency, args.stats_source, memory)
             fp32 = fp32 or t
             rows.append([path, f"{t['compute'] * 1e3:.0f}", f"{t['comm'] * 1e3:.0f}", f"{t['codec'] * 1e3:.0f}",
                          f"{t['serial'] * 1e3:.0f}", f"{t['comm'] / t['serial']:.0%}", f"{fp32['serial'] / t['serial']:.2f}x",
