@@ -281,7 +281,12 @@ def test_unit_scaled_is_the_transform_over_its_scale(scale):
     w = lowrank_with_scale(16, 4, scale)
     unit = w.unit_scaled()
     assert set(unit.tensors) == {"basis", "coef", "coef_inv"}
-    want, want_inverse = w.matrix().double() / scale, w.matrix(inverse=True).double() * scale
+    # T and T^-1 written out from their factors in float64, not through Whitening's own products
+    basis, coef, coef_inv = (w.tensors[name].double() for name in ("basis", "coef", "coef_inv"))
+    eye = torch.eye(16, dtype=torch.float64)
+    t = eye * float(w.tensors["scale"]) + basis @ torch.diag(coef) @ basis.T
+    t_inv = eye * float(w.tensors["scale_inv"]) + basis @ torch.diag(coef_inv) @ basis.T
+    want, want_inverse = t / scale, t_inv * scale
     torch.testing.assert_close(unit.matrix().double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
     torch.testing.assert_close(unit.matrix(inverse=True).double(), want_inverse, rtol=0, atol=1e-5 * want_inverse.abs().max().item())
     g = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
